@@ -1,0 +1,140 @@
+#!/usr/bin/env bash
+# cuda/build.sh: build libkdtree.so, the native test programs and the benchmark program.
+#
+#   cuda/build.sh --arch <sm_90|sm_120|native|cpu|sm_90,sm_120> --out DIR [--jobs N] [--debug]
+#                 [--generator auto|direct|cmake]
+#
+# Needs only g++ (and nvcc for a CUDA arch): no cmake. With --generator cmake (or auto when
+# cmake and nvcc are present and cuda/CMakeLists.txt exists) the same build goes through CMake.
+# Every compile and link line is recorded in DIR/build_info.json (and DIR/compile_commands.txt)
+# so that runs can copy them into their manifests.
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+arch=""; out=""; jobs=""; debug=0; generator=direct
+
+die() { echo "error: build: $*" >&2; exit 4; }
+usage() { sed -n '2,11p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --arch) arch=${2:-}; shift 2 ;;
+    --out) out=${2:-}; shift 2 ;;
+    --jobs) jobs=${2:-}; shift 2 ;;
+    --debug) debug=1; shift ;;
+    --generator) generator=${2:-}; shift 2 ;;
+    -h|--help) usage; exit 0 ;;
+    *) usage >&2; echo "error: build: unknown argument '$1'" >&2; exit 5 ;;
+  esac
+done
+[ -n "$arch" ] || { usage >&2; echo "error: build: --arch is required" >&2; exit 5; }
+[ -n "$out" ] || { usage >&2; echo "error: build: --out is required" >&2; exit 5; }
+jobs=${jobs:-$(nproc 2>/dev/null || echo 2)}
+
+# ---- resolve the architecture list -------------------------------------------------------
+use_cuda=1
+gencode=()
+IFS=',' read -r -a archs <<<"$arch"
+for a in "${archs[@]}"; do
+  case "$a" in
+    cpu) use_cuda=0 ;;
+    native) gencode+=("-arch=native") ;;
+    sm_[0-9]*) n=${a#sm_}; gencode+=("-gencode=arch=compute_${n},code=sm_${n}") ;;
+    *) echo "error: build: --arch: '$a' is not one of sm_NN, native, cpu" >&2; exit 5 ;;
+  esac
+done
+if [ "$use_cuda" = 1 ] && [ ${#archs[@]} -gt 1 ] && [[ " ${archs[*]} " == *" cpu "* ]]; then
+  echo "error: build: --arch: cpu cannot be combined with GPU architectures" >&2; exit 5
+fi
+if [ "$use_cuda" = 1 ] && ! command -v nvcc >/dev/null 2>&1; then
+  die "--arch $arch needs nvcc, which is not on PATH (install the CUDA toolkit or use --arch cpu)"
+fi
+command -v g++ >/dev/null 2>&1 || die "g++ is not on PATH"
+
+if [ "$generator" = auto ]; then
+  if command -v cmake >/dev/null 2>&1 && [ -f "$here/CMakeLists.txt" ]; then generator=cmake; else generator=direct; fi
+fi
+if [ "$generator" = cmake ]; then
+  [ -f "$here/cmake_build.sh" ] || die "--generator cmake: cuda/cmake_build.sh is missing"
+  exec bash "$here/cmake_build.sh" --arch "$arch" --out "$out" --jobs "$jobs"
+fi
+[ "$generator" = direct ] || { echo "error: build: --generator must be auto, direct or cmake" >&2; exit 5; }
+
+mkdir -p "$out/obj"
+out=$(cd "$out" && pwd)
+log="$out/compile_commands.txt"
+: >"$log"
+
+opt=(-O3); [ "$debug" = 1 ] && opt=(-O0 -g)
+cxxflags=("${opt[@]}" -std=c++17 -fPIC -fvisibility=hidden -Wall -Wextra -I"$here/include" -I"$here/src")
+nvccflags=("${opt[@]}" -std=c++17 -Xcompiler=-fPIC,-fvisibility=hidden -I"$here/include" -I"$here/src"
+           --expt-relaxed-constexpr "${gencode[@]}")
+[ "$use_cuda" = 1 ] && cxxflags+=(-DKDT_WITH_CUDA) && nvccflags+=(-DKDT_WITH_CUDA)
+
+# ---- compile: one line per source, run in parallel, each recorded -------------------------
+cmds=()
+objs=()
+for src in "$here"/src/*.cpp; do
+  [ -e "$src" ] || continue
+  obj="$out/obj/$(basename "$src").o"
+  if [ "$use_cuda" = 1 ]; then
+    cmds+=("nvcc ${nvccflags[*]} -x cu -c $src -o $obj")
+  else
+    cmds+=("g++ ${cxxflags[*]} -c $src -o $obj")
+  fi
+  objs+=("$obj")
+done
+if [ "$use_cuda" = 1 ]; then
+  for src in "$here"/src/*.cu; do
+    [ -e "$src" ] || continue
+    obj="$out/obj/$(basename "$src").o"
+    cmds+=("nvcc ${nvccflags[*]} -c $src -o $obj")
+    objs+=("$obj")
+  done
+fi
+printf '%s\n' "${cmds[@]}" >>"$log"
+echo "build: compiling ${#cmds[@]} sources for --arch $arch with $jobs jobs"
+printf '%s\n' "${cmds[@]}" | xargs -P "$jobs" -I{} bash -c '{} || { echo "error: build: failed: {}" >&2; exit 255; }' \
+  || die "compilation failed (the failing command is printed above)"
+
+# ---- link the library ----------------------------------------------------------------------
+if [ "$use_cuda" = 1 ]; then
+  link="nvcc ${opt[*]} -shared ${gencode[*]} -o $out/libkdtree.so ${objs[*]}"
+else
+  link="g++ ${opt[*]} -shared -o $out/libkdtree.so ${objs[*]} -lpthread"
+fi
+echo "$link" >>"$log"
+$link || die "linking libkdtree.so failed"
+
+# ---- programs: native tests (cuda/tests/*.cpp) and the benchmark (cuda/bench/*.cpp) -------
+prog_cmds=()
+for src in "$here"/tests/*.cpp "$here"/bench/*.cpp; do
+  [ -e "$src" ] || continue
+  case "$(basename "$src")" in _*) continue ;; esac   # _*.cpp: shared helpers, included
+  prog="$out/$(basename "${src%.cpp}")"
+  prog_cmds+=("g++ ${cxxflags[*]} -I$here/tests $src -o $prog -L$out -lkdtree -Wl,-rpath,\$ORIGIN")
+done
+printf '%s\n' "${prog_cmds[@]}" >>"$log"
+if [ ${#prog_cmds[@]} -gt 0 ]; then
+  printf '%s\n' "${prog_cmds[@]}" | xargs -P "$jobs" -I{} bash -c '{} || { echo "error: build: failed: {}" >&2; exit 255; }' \
+    || die "building the test or benchmark programs failed"
+fi
+
+# ---- record what was built and how -------------------------------------------------------------
+nvcc_version=$(command -v nvcc >/dev/null 2>&1 && nvcc --version | tail -n 2 | tr '\n' ' ' || echo "")
+python3 - "$out" "$arch" "$use_cuda" "$nvcc_version" "$log" <<'PY'
+import json, subprocess, sys, datetime
+out, arch, use_cuda, nvcc, log = sys.argv[1:]
+gxx = subprocess.run(["g++", "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+info = {
+    "arch": arch,
+    "cuda": use_cuda == "1",
+    "generator": "direct",
+    "nvcc": nvcc.strip() or None,
+    "cxx": gxx,
+    "commands": [l for l in open(log).read().splitlines() if l.strip()],
+    "built": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+}
+json.dump(info, open(f"{out}/build_info.json", "w"), indent=2)
+PY
+echo "build: ok: $out/libkdtree.so ($arch), compile lines in $out/build_info.json"

@@ -1,0 +1,116 @@
+/*
+ * kdtree.h: the plain C ABI of libkdtree (DDTree kernels and the native engine).
+ *
+ * Conventions (ARCHITECTURE.md, "The engine's native boundary"):
+ *   - No C++ types cross this boundary: raw pointers, fixed-width integers, enums.
+ *   - Every entry point takes a backend; CUDA entry points also take a stream (cudaStream_t
+ *     passed as void*; NULL is the legacy default stream). With KDT_BACKEND_CUDA every array
+ *     pointer is a device pointer, with KDT_BACKEND_CPU a host pointer.
+ *   - Every entry point returns a kdt_status. On error, kdt_last_error() returns a message for
+ *     the calling thread naming the function, the argument and the problem. Nothing aborts.
+ *   - CUDA entry points never synchronise the host and are safe under CUDA graph capture;
+ *     a launch failure is reported by the returned status (cudaGetLastError after the launch).
+ *   - Shapes are given as [dim0, dim1, ...], row-major, densely packed.
+ *
+ * Kernel semantics: ../shared/DDTREE.md (sections 2-6). n = budget + 1 slots per request.
+ */
+#ifndef KDTREE_KDTREE_H
+#define KDTREE_KDTREE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(__GNUC__)
+#define KDT_API __attribute__((visibility("default")))
+#else
+#define KDT_API
+#endif
+
+typedef enum kdt_status {
+  KDT_OK = 0,
+  KDT_ERR_INVALID_ARGUMENT = 1, /* a size, a pointer or a value out of its contract */
+  KDT_ERR_UNSUPPORTED = 2,      /* e.g. the CUDA backend in a CPU-only build */
+  KDT_ERR_CUDA = 3,             /* a CUDA runtime error (launch, allocation, ...) */
+  KDT_ERR_IO = 4,               /* a file could not be opened or read */
+  KDT_ERR_FORMAT = 5,           /* a file is not a valid safetensors / KDTR / weights file */
+  KDT_ERR_OUT_OF_MEMORY = 6,
+  KDT_ERR_INTERNAL = 7          /* a bug: please report it with kdt_last_error() */
+} kdt_status;
+
+typedef enum kdt_backend { KDT_BACKEND_CPU = 0, KDT_BACKEND_CUDA = 1 } kdt_backend;
+
+typedef enum kdt_dtype { KDT_DTYPE_F32 = 0, KDT_DTYPE_BF16 = 1 } kdt_dtype;
+
+/* Per-request status of the accept walk (DDTREE.md section 4). The first defect met wins. */
+typedef enum kdt_accept_status {
+  KDT_ACCEPT_OK = 0,
+  KDT_ACCEPT_OUT_OF_RANGE = 1, /* a link (first_child / next_sibling) outside [1, num_nodes) */
+  KDT_ACCEPT_CYCLE = 2,        /* a child scan or the walk exceeded n steps */
+  KDT_ACCEPT_DUPLICATE = 3     /* two children of one node carry the matched token */
+} kdt_accept_status;
+
+/* ---------------------------------------------------------------- library ------------- */
+
+/* The message of the calling thread's last error ("" if none). Valid until the next call. */
+KDT_API const char* kdt_last_error(void);
+/* Library version, e.g. "0.1.0". */
+KDT_API const char* kdt_version(void);
+/* 1 if this build contains the CUDA backend, else 0. */
+KDT_API int kdt_has_cuda(void);
+/* Number of visible CUDA devices (0 when none or a CPU-only build). Never fails. */
+KDT_API int kdt_cuda_device_count(void);
+
+/* ---------------------------------------------------------------- tree build ---------- */
+/*
+ * Best-first DDTree build (DDTREE.md sections 2-3), batched over bs requests.
+ *   top_logp      [bs, L, K] float32, each row sorted descending (ties allowed)
+ *   top_ids       [bs, L, K] int64
+ *   root_ids      [bs]       int64   slot 0 token
+ *   seq_lens      [bs]       int64   committed prefix length (positions = seq_lens + depths)
+ * Outputs (n = budget + 1, W = ceil(n / 32)); unused slots hold -1 (links, tokens, parents,
+ * depths, positions) and zero bits:
+ *   tokens [bs, n] int64, parents [bs, n] int32, depths [bs, n] int32,
+ *   positions [bs, n] int64, first_child [bs, n] int64, next_sibling [bs, n] int64,
+ *   visibility [bs, n, W] uint32, num_nodes [bs] int32,
+ *   scores [bs, n] float64 (may be NULL; 0.0 at the root, unused slots 0.0).
+ * Limits: 1 <= budget <= 1024, 1 <= L <= 32, 1 <= K <= budget, bs >= 1 (bs == 0 is a no-op).
+ */
+KDT_API kdt_status kdt_tree_build(kdt_backend backend, void* stream, int32_t bs, int32_t L,
+                                  int32_t K, int32_t budget, const float* top_logp,
+                                  const int64_t* top_ids, const int64_t* root_ids,
+                                  const int64_t* seq_lens, int64_t* tokens, int32_t* parents,
+                                  int32_t* depths, int64_t* positions, int64_t* first_child,
+                                  int64_t* next_sibling, uint32_t* visibility,
+                                  int32_t* num_nodes, double* scores);
+
+/* ---------------------------------------------------------------- tree accept --------- */
+/*
+ * Greedy accept walk (DDTREE.md section 4), bounded on malformed trees.
+ *   tokens, first_child, next_sibling [bs, n] int64; num_nodes [bs] int32 (may be NULL: n);
+ *   target_argmax [bs, n] int64.
+ * Outputs: accept_index [bs, n] int32 (root first, then -1), accept_len [bs] int32 (>= 1),
+ *   bonus [bs] int64 (target_argmax at the last accepted node), status [bs] int32
+ *   (kdt_accept_status). A malformed tree is not an error of the call: its request gets a
+ *   nonzero status and the nodes accepted before the defect.
+ */
+KDT_API kdt_status kdt_tree_accept(kdt_backend backend, void* stream, int32_t bs, int32_t n,
+                                   const int64_t* tokens, const int64_t* first_child,
+                                   const int64_t* next_sibling, const int32_t* num_nodes,
+                                   const int64_t* target_argmax, int32_t* accept_index,
+                                   int32_t* accept_len, int64_t* bonus, int32_t* status);
+
+/* ---------------------------------------------------------------- verify attention ---- */
+/* (section owned by the attention kernel: declarations and their shape comments go here) */
+
+/* ---------------------------------------------------------------- engine -------------- */
+/* (section owned by the native engine: declarations and their shape comments go here) */
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* KDTREE_KDTREE_H */
