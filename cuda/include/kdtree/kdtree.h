@@ -104,7 +104,37 @@ KDT_API kdt_status kdt_tree_accept(kdt_backend backend, void* stream, int32_t bs
                                    int32_t* accept_len, int64_t* bonus, int32_t* status);
 
 /* ---------------------------------------------------------------- verify attention ---- */
-/* (section owned by the attention kernel: declarations and their shape comments go here) */
+/*
+ * Absorbed-MLA tree-verify attention (DDTREE.md section 6) over a ragged batch.
+ * Request b owns query rows q_indptr[b] .. q_indptr[b+1] (its n_b tree nodes, node i at row
+ * q_indptr[b] + i) and cache rows kv_indptr[b] .. kv_indptr[b+1]; the last n_b of those cache
+ * rows are its tree nodes (node i at row kv_indptr[b+1] - n_b + i), the rows before them its
+ * committed prefix (P_b = kv_len_b - n_b >= 0). Query i sees every prefix row and the tree rows
+ * j whose visibility bit is set (bit j % 32 of visibility[row_i * vis_words + j / 32]).
+ *   q_lat     [total_q, H, d_latent]        dtype (float32 or bfloat16)
+ *   q_pe      [total_q, H, d_rope]          dtype
+ *   kv_cache  [total_kv, d_latent + d_rope] dtype: c_kv (d_latent) then k_pe (d_rope) per row
+ *   q_indptr, kv_indptr [bs + 1] int32 (device pointers for CUDA; not read on the host)
+ *   visibility [total_q, vis_words] uint32, vis_words >= ceil(max_tree / 32)
+ *   out [total_q, H, d_latent] float32 (softmax-weighted sum of c_kv), lse [total_q, H] float32
+ *   (natural log of the sum of exp(score)); scores are (q_lat . c_kv + q_pe . k_pe) * scale.
+ *   max_tree >= every n_b (sizes the grid without reading device memory).
+ * The workspace holds the split-prefix partial states (CUDA); query its size with
+ * kdt_verify_attention_workspace_size (0 for the CPU backend; workspace may be NULL then).
+ */
+KDT_API size_t kdt_verify_attention_workspace_size(kdt_backend backend, int32_t bs,
+                                                   int32_t num_heads, int32_t d_latent,
+                                                   int32_t total_q, int32_t max_tree,
+                                                   int32_t max_kv);
+KDT_API kdt_status kdt_verify_attention(kdt_backend backend, void* stream, kdt_dtype dtype,
+                                        int32_t bs, int32_t num_heads, int32_t d_latent,
+                                        int32_t d_rope, int32_t total_q, int32_t total_kv,
+                                        int32_t max_tree, int32_t max_kv,
+                                        const int32_t* q_indptr, const int32_t* kv_indptr,
+                                        const void* q_lat, const void* q_pe,
+                                        const void* kv_cache, const uint32_t* visibility,
+                                        int32_t vis_words, float softmax_scale, float* out,
+                                        float* lse, void* workspace, size_t workspace_bytes);
 
 /* ---------------------------------------------------------------- engine -------------- */
 /* (section owned by the native engine: declarations and their shape comments go here) */
