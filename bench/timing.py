@@ -1,0 +1,124 @@
+"""Timing helpers shared by every suite: samples in seconds, and their summary.
+
+CPU: `time.perf_counter` (monotonic, ns resolution) around each call.
+CUDA: a pair of CUDA events around each call, recorded on the current stream; all events are
+read after one synchronise at the end, so the host never stalls the device between reps.
+Before each rep a buffer of twice the L2 size is overwritten (`flush_l2`), so the timed call
+starts with a cold L2, as a kernel inside a decode step does (the layers before it evicted it).
+
+Every helper returns the raw samples; `summarize` turns them into the figures the JSON keeps
+beside them (median, min, p10, p90, mean, n).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+__all__ = ["summarize", "time_cpu", "time_cuda", "l2_flush_bytes"]
+
+
+def summarize(samples: Sequence[float]) -> dict:
+    """{median, min, p10, p90, mean, n} of samples (seconds); percentiles interpolate linearly."""
+    x = np.asarray(samples, dtype=np.float64)
+    if x.ndim != 1 or x.size == 0:
+        raise ValueError(f"summarize: samples must be a non-empty 1-D sequence, got shape {x.shape}")
+    if not np.all(np.isfinite(x)):
+        raise ValueError(f"summarize: samples contain a non-finite value: {x[~np.isfinite(x)][:3]}")
+    p10, med, p90 = np.percentile(x, [10.0, 50.0, 90.0])
+    return {
+        "median": float(med),
+        "min": float(x.min()),
+        "p10": float(p10),
+        "p90": float(p90),
+        "mean": float(x.mean()),
+        "n": int(x.size),
+    }
+
+
+def _check_counts(where: str, warmup: int, reps: int) -> None:
+    if warmup < 0:
+        raise ValueError(f"{where}: warmup must be >= 0, got {warmup}")
+    if reps < 1:
+        raise ValueError(f"{where}: reps must be >= 1, got {reps}")
+
+
+def time_cpu(fn: Callable[[], object], warmup: int = 2, reps: int = 10,
+             budget_s: float | None = None, min_reps: int = 3) -> list[float]:
+    """Samples (s) of `fn()` timed with the monotonic clock, after `warmup` untimed calls.
+
+    With `budget_s`, stops after the rep that brings the timed total past the budget, but never
+    before `min_reps` samples (so slow cases still give the compare step some noise to see).
+    """
+    _check_counts("time_cpu", warmup, reps)
+    for _ in range(warmup):
+        fn()
+    samples: list[float] = []
+    total = 0.0
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        samples.append(dt)
+        total += dt
+        if budget_s is not None and total >= budget_s and len(samples) >= min_reps:
+            break
+    return samples
+
+
+def l2_flush_bytes(device=None) -> int:
+    """Bytes of the L2-flush buffer for a CUDA device: twice its L2 (at least 64 MiB)."""
+    import torch
+
+    props = torch.cuda.get_device_properties(device if device is not None else torch.cuda.current_device())
+    l2 = int(getattr(props, "L2_cache_size", 0) or 0)
+    return max(2 * l2, 64 << 20)
+
+
+def time_cuda(fn: Callable[[], object], warmup: int = 5, reps: int = 50, flush_l2: bool = True,
+              budget_s: float | None = None, min_reps: int = 3) -> list[float]:
+    """Samples (s) of `fn()` between two CUDA events on the current stream.
+
+    `fn` must only enqueue work (no host synchronisation inside, or the sample includes it, which
+    is right for paths that sync by design, such as the SGLang-style tree build). With
+    `flush_l2`, a buffer of 2x L2 is zero-filled before each rep, outside the events.
+    With `budget_s`, reps stop once the summed device time passes it (checked every 8 reps,
+    never before `min_reps`).
+    """
+    import torch
+
+    _check_counts("time_cuda", warmup, reps)
+    if not torch.cuda.is_available():
+        raise RuntimeError("time_cuda: torch reports no CUDA device (use time_cpu on this machine)")
+    flush = None
+    if flush_l2:
+        flush = torch.empty(l2_flush_bytes() // 4, dtype=torch.float32, device="cuda")
+    for _ in range(warmup):
+        if flush is not None:
+            flush.zero_()
+        fn()
+    torch.cuda.synchronize()
+    pairs = []
+    samples: list[float] = []
+    for i in range(reps):
+        if flush is not None:
+            flush.zero_()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        pairs.append((start, end))
+        if budget_s is not None and (i + 1) % 8 == 0 and len(pairs) >= min_reps:
+            end.synchronize()
+            if sum(s.elapsed_time(e) for s, e in pairs) * 1e-3 >= budget_s:
+                break
+    torch.cuda.synchronize()
+    for s, e in pairs:
+        samples.append(s.elapsed_time(e) * 1e-3)  # elapsed_time is in ms
+    if not all(math.isfinite(v) and v >= 0 for v in samples):
+        raise RuntimeError(f"time_cuda: events returned invalid times {samples[:4]}")
+    return samples
