@@ -1,0 +1,654 @@
+"""Reference DeepSeek-V3-style MLA + MoE decoder in float64 numpy: the golden for the engine.
+
+The math is written down in docs/MODEL.md; this module is its executable form. It holds the
+config (DeepSeek-V3 `config.json` keys), seeded random weights with the DeepSeek-V3 Hugging Face
+tensor names, the safetensors round trip, the rotary / YaRN / router pieces, and `Model`: one
+forward over n new tokens against a latent KV cache under an arbitrary visibility mask among the
+new tokens. Prefill (causal), an AR step (n = 1) and a DDTree verify (ancestor-only) are all that
+one forward. Decoding loops live in `engine.model_decode`.
+
+    python -m engine.model init [--config FILE] [--seed N] --out DIR
+    python -m engine.model check --weights DIR      # logit spread and greedy diversity
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+# The tiny default (about 1.9 M parameters, 4 layers, the first dense, then MoE with 8 experts in
+# 4 groups). YaRN is on (factor 4 over an original window of 128) so the softmax-scale and the
+# frequency-ramp corrections are exercised; mscale != mscale_all_dim so the cos/sin scaling is too.
+TINY_CONFIG = {
+    "vocab_size": 512,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "q_lora_rank": 128,
+    "kv_lora_rank": 64,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 32,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "n_group": 4,
+    "topk_group": 2,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 128,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 0.9,
+        "mscale_all_dim": 1.0,
+    },
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+}
+
+_REQUIRED_KEYS = [k for k in TINY_CONFIG if k not in ("rope_scaling", "tie_word_embeddings")]
+_YARN_KEYS = ["factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+              "mscale", "mscale_all_dim"]
+
+
+class ModelFormatError(ValueError):
+    """A config or weights file that does not fit the format of docs/MODEL.md."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int | None
+    n_shared_experts: int | None
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    scoring_func: str
+    topk_method: str
+    first_k_dense_replace: int
+    moe_layer_freq: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "<dict>") -> "ModelConfig":
+        """Reads the keys this model uses; other keys of a real config.json are ignored."""
+        missing = [k for k in _REQUIRED_KEYS if k not in d]
+        if missing:
+            raise ModelFormatError(f"{source}: config is missing keys {missing}")
+        kw = {f.name: d.get(f.name, f.default) for f in dataclasses.fields(cls)}
+        kw["rope_scaling"] = d.get("rope_scaling")
+        cfg = cls(**kw)
+        cfg.validate(source)
+        return cfg
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def validate(self, source: str = "<config>") -> None:
+        def bad(field, why):
+            raise ModelFormatError(f"{source}: {field} = {getattr(self, field)!r}: {why}")
+
+        if self.scoring_func != "sigmoid":
+            bad("scoring_func", "only 'sigmoid' (DeepSeek-V3 / Kimi K2) is implemented")
+        if self.topk_method != "noaux_tc":
+            bad("topk_method", "only 'noaux_tc' (group-limited top-k with the correction bias) is implemented")
+        if self.qk_rope_head_dim % 2:
+            bad("qk_rope_head_dim", "must be even (rotary pairs)")
+        if self.n_routed_experts:
+            if self.n_routed_experts % self.n_group:
+                bad("n_group", f"must divide n_routed_experts = {self.n_routed_experts}")
+            if self.n_routed_experts // self.n_group < 2 and self.n_group > 1:
+                bad("n_group", "each group needs >= 2 experts (the group score is a top-2 sum)")
+            if not 1 <= self.topk_group <= self.n_group:
+                bad("topk_group", f"must be in [1, n_group = {self.n_group}]")
+            per_group = self.n_routed_experts // self.n_group
+            if not 1 <= self.num_experts_per_tok <= self.topk_group * per_group:
+                bad("num_experts_per_tok", "must be in [1, experts inside the kept groups]")
+        if self.rope_scaling is not None:
+            rs = self.rope_scaling
+            if rs.get("type", rs.get("rope_type")) != "yarn":
+                bad("rope_scaling", "only type 'yarn' is implemented")
+            missing = [k for k in _YARN_KEYS if k not in rs]
+            if missing:
+                bad("rope_scaling", f"yarn needs keys {missing}")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def is_moe_layer(self, i: int) -> bool:
+        return bool(self.n_routed_experts) and i >= self.first_k_dense_replace \
+            and i % self.moe_layer_freq == 0
+
+
+def tiny_config() -> ModelConfig:
+    return ModelConfig.from_dict(TINY_CONFIG, "TINY_CONFIG")
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    path = Path(path)
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelFormatError(f"{path}: cannot read config: {e}") from e
+    return ModelConfig.from_dict(d, str(path))
+
+
+# ---------------------------------------------------------------- rotary, YaRN, softmax scale
+
+def yarn_get_mscale(scale: float, mscale: float) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_correction_dim(num_rotations: float, dim: int, base: float, max_pos: int) -> float:
+    return dim * math.log(max_pos / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [dr/2] float64, with the YaRN ramp between interpolation and extrapolation."""
+    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
+    freq_extra = 1.0 / base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    rs = cfg.rope_scaling
+    if rs is None:
+        return freq_extra
+    factor = float(rs["factor"])
+    freq_inter = freq_extra / factor
+    orig = int(rs["original_max_position_embeddings"])
+    low = max(math.floor(_yarn_correction_dim(rs["beta_fast"], dim, base, orig)), 0)
+    high = min(math.ceil(_yarn_correction_dim(rs["beta_slow"], dim, base, orig)), dim - 1)
+    if low == high:
+        high += 0.001  # the ramp is a step; avoid 0/0 as the HF code does
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    extra_weight = 1.0 - ramp  # 1 for the fast (high-frequency) dims: those keep freq_extra
+    return freq_inter * (1.0 - extra_weight) + freq_extra * extra_weight
+
+
+def rope_mscale(cfg: ModelConfig) -> float:
+    """YaRN magnitude factor multiplying cos and sin (1 without YaRN)."""
+    rs = cfg.rope_scaling
+    if rs is None:
+        return 1.0
+    f = float(rs["factor"])
+    return yarn_get_mscale(f, float(rs["mscale"])) / yarn_get_mscale(f, float(rs["mscale_all_dim"]))
+
+
+def softmax_scale(cfg: ModelConfig) -> float:
+    """qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN (HF modeling_deepseek)."""
+    scale = cfg.qk_head_dim ** -0.5
+    rs = cfg.rope_scaling
+    if rs is not None and rs.get("mscale_all_dim"):
+        m = yarn_get_mscale(float(rs["factor"]), float(rs["mscale_all_dim"]))
+        scale *= m * m
+    return scale
+
+
+def rope_cos_sin(cfg: ModelConfig, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [n, dr/2] float64 for integer positions [n], already times rope_mscale."""
+    angles = np.asarray(positions, dtype=np.float64)[:, None] * rope_inv_freq(cfg)[None, :]
+    m = rope_mscale(cfg)
+    return np.cos(angles) * m, np.sin(angles) * m
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotates interleaved pairs (x[..., 2i], x[..., 2i+1]) by angle i; x is [n, ..., dr].
+
+    cos/sin are [n, dr/2]; the result keeps the interleaved layout (the cache stores it so).
+    """
+    shape = (x.shape[0],) + (1,) * (x.ndim - 2) + (cos.shape[1],)
+    c, s = cos.reshape(shape), sin.reshape(shape)
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2] = x0 * c - x1 * s
+    out[..., 1::2] = x0 * s + x1 * c
+    return out
+
+
+# ---------------------------------------------------------------- small pieces
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def swiglu(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
+    """down(silu(gate x) * up x); x [n, D], gate/up [I, D], down [D, I]."""
+    return (silu(x @ gate.T) * (x @ up.T)) @ down.T
+
+
+def route(cfg: ModelConfig, x: np.ndarray, gate_w: np.ndarray, bias: np.ndarray):
+    """DeepSeek-V3 noaux_tc router on x [n, D]. Returns (expert ids [n, k] int64, weights [n, k]).
+
+    scores = sigmoid(x W^T); choice = scores + bias; a group's score is the sum of its top-2
+    choice values; keep the topk_group best groups; pick the k best choice values among the
+    experts of kept groups; weights = the unbiased scores of those, divided by their sum when
+    norm_topk_prob, times routed_scaling_factor. Ties go to the lower index (stable sorts).
+    """
+    n, E = x.shape[0], cfg.n_routed_experts
+    scores = 1.0 / (1.0 + np.exp(-(x @ gate_w.T)))  # [n, E]
+    choice = scores + bias[None, :]
+    per_group = E // cfg.n_group
+    grouped = choice.reshape(n, cfg.n_group, per_group)
+    group_scores = -np.sort(-grouped, axis=-1)[..., :2].sum(-1) if per_group >= 2 \
+        else grouped[..., 0]  # [n, G]
+    kept_groups = np.argsort(-group_scores, axis=-1, kind="stable")[:, :cfg.topk_group]
+    group_mask = np.zeros((n, cfg.n_group), dtype=bool)
+    np.put_along_axis(group_mask, kept_groups, True, axis=-1)
+    masked = np.where(np.repeat(group_mask, per_group, axis=-1), choice, -np.inf)
+    ids = np.argsort(-masked, axis=-1, kind="stable")[:, :cfg.num_experts_per_tok]
+    w = np.take_along_axis(scores, ids, axis=-1)
+    if cfg.num_experts_per_tok > 1 and cfg.norm_topk_prob:
+        w = w / (w.sum(-1, keepdims=True) + 1e-20)
+    return ids.astype(np.int64), w * cfg.routed_scaling_factor
+
+
+# ---------------------------------------------------------------- weights
+
+def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor name (DeepSeek-V3 HF names) and its shape, [out, in] for linear layers."""
+    D, H = cfg.hidden_size, cfg.num_attention_heads
+    s = {"model.embed_tokens.weight": (cfg.vocab_size, D)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        if cfg.q_lora_rank:
+            s[a + "q_a_proj.weight"] = (cfg.q_lora_rank, D)
+            s[a + "q_a_layernorm.weight"] = (cfg.q_lora_rank,)
+            s[a + "q_b_proj.weight"] = (H * cfg.qk_head_dim, cfg.q_lora_rank)
+        else:
+            s[a + "q_proj.weight"] = (H * cfg.qk_head_dim, D)
+        s[a + "kv_a_proj_with_mqa.weight"] = (cfg.kv_lora_rank + cfg.qk_rope_head_dim, D)
+        s[a + "kv_a_layernorm.weight"] = (cfg.kv_lora_rank,)
+        s[a + "kv_b_proj.weight"] = (H * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
+        s[a + "o_proj.weight"] = (D, H * cfg.v_head_dim)
+        s[p + "input_layernorm.weight"] = (D,)
+        s[p + "post_attention_layernorm.weight"] = (D,)
+        m = p + "mlp."
+        if cfg.is_moe_layer(i):
+            I = cfg.moe_intermediate_size
+            s[m + "gate.weight"] = (cfg.n_routed_experts, D)
+            s[m + "gate.e_score_correction_bias"] = (cfg.n_routed_experts,)
+            for e in range(cfg.n_routed_experts):
+                for name, shape in _mlp_shapes(D, I).items():
+                    s[f"{m}experts.{e}.{name}"] = shape
+            if cfg.n_shared_experts:
+                for name, shape in _mlp_shapes(D, I * cfg.n_shared_experts).items():
+                    s[f"{m}shared_experts.{name}"] = shape
+        else:
+            for name, shape in _mlp_shapes(D, cfg.intermediate_size).items():
+                s[m + name] = shape
+    s["model.norm.weight"] = (D,)
+    if not cfg.tie_word_embeddings:
+        s["lm_head.weight"] = (cfg.vocab_size, D)
+    return s
+
+
+def _mlp_shapes(D: int, I: int) -> dict[str, tuple[int, int]]:
+    return {"gate_proj.weight": (I, D), "up_proj.weight": (I, D), "down_proj.weight": (D, I)}
+
+
+def init_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """Seeded random float32 weights.
+
+    Scales (why): embeddings N(0, 1) so a token's own vector is a unit-RMS residual; linear
+    layers N(0, 1/fan_in) so activations keep unit scale; output projections (o_proj, down_proj)
+    at 0.7/sqrt(fan_in) so every layer moves the residual by a similar amount and the context
+    matters (otherwise greedy output is a bigram loop); norms 1 + 0.1 N(0, 1) and router biases
+    0.3 N(0, 1) so an implementation that drops them disagrees; lm_head at 2.5/sqrt(D) so the
+    logits have a spread of a few nats (no near-ties, no one-hot saturation).
+    """
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in tensor_shapes(cfg).items():
+        if name == "model.embed_tokens.weight":
+            std = 1.0
+        elif name.endswith("layernorm.weight") or name == "model.norm.weight":
+            out[name] = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+            continue
+        elif name.endswith("e_score_correction_bias"):
+            out[name] = (0.3 * rng.standard_normal(shape)).astype(np.float32)
+            continue
+        elif name == "lm_head.weight":
+            std = 2.5 / math.sqrt(shape[1])
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            std = 0.7 / math.sqrt(shape[1])
+        else:
+            std = 1.0 / math.sqrt(shape[1])
+        out[name] = (std * rng.standard_normal(shape)).astype(np.float32)
+    return out
+
+
+def save_weights(out_dir: str | Path, cfg: ModelConfig, weights: dict[str, np.ndarray]) -> None:
+    from safetensors.numpy import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in weights.items()},
+              str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
+
+
+def read_safetensors(path: Path, names=None) -> dict[str, np.ndarray]:
+    """float64 arrays from one safetensors file (F32, BF16 or F16 tensors), via torch for bf16."""
+    import torch
+    from safetensors import safe_open
+
+    out = {}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            for name in (f.keys() if names is None else names):
+                t = f.get_tensor(name)
+                if t.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+                    raise ModelFormatError(f"{path}: tensor {name} has dtype {t.dtype}; "
+                                           "expected float32, bfloat16 or float16")
+                out[name] = t.to(torch.float64).numpy()
+    except ModelFormatError:
+        raise
+    except Exception as e:  # safetensors raises several types for a bad header
+        raise ModelFormatError(f"{path}: cannot read safetensors: {e}") from e
+    return out
+
+
+def load_weights(weights_dir: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Config and float64 weights from DIR (config.json + model.safetensors, or a sharded
+    checkpoint with model.safetensors.index.json). Missing tensors and shape mismatches are
+    errors naming the tensor and file; extra tensors are errors too, except those of layers
+    beyond num_hidden_layers (DeepSeek-V3's multi-token-prediction layer)."""
+    d = Path(weights_dir)
+    cfg = load_config(d / CONFIG_FILE)
+    shapes = tensor_shapes(cfg)
+    if (d / INDEX_FILE).exists():
+        weight_map = json.loads((d / INDEX_FILE).read_text())["weight_map"]
+    elif (d / WEIGHTS_FILE).exists():
+        from safetensors import safe_open
+        with safe_open(str(d / WEIGHTS_FILE), framework="pt") as f:
+            weight_map = {k: WEIGHTS_FILE for k in f.keys()}
+    else:
+        raise ModelFormatError(f"{d}: neither {WEIGHTS_FILE} nor {INDEX_FILE} found "
+                               f"(create one with: python -m engine.model init --out {d})")
+    missing = [k for k in shapes if k not in weight_map]
+    if missing:
+        raise ModelFormatError(f"{d}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    extra = [k for k in weight_map if k not in shapes and not _beyond_layers(k, cfg)]
+    if extra:
+        raise ModelFormatError(f"{d}: unexpected tensors {extra[:5]}{' ...' if len(extra) > 5 else ''}")
+    by_file: dict[str, list[str]] = {}
+    for k in shapes:
+        by_file.setdefault(weight_map[k], []).append(k)
+    weights = {}
+    for fname, names in by_file.items():
+        weights.update(read_safetensors(d / fname, names))
+    for k, shape in shapes.items():
+        if weights[k].shape != shape:
+            raise ModelFormatError(f"{d / weight_map[k]}: tensor {k} has shape "
+                                   f"{list(weights[k].shape)}, config says {list(shape)}")
+    return cfg, weights
+
+
+def _beyond_layers(name: str, cfg: ModelConfig) -> bool:
+    parts = name.split(".")
+    return len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() \
+        and int(parts[2]) >= cfg.num_hidden_layers
+
+
+# ---------------------------------------------------------------- latent KV cache
+
+class LatentCache:
+    """Per layer: c_kv [cap, kv_lora_rank] (after kv_a_layernorm) and k_pe [cap, dr] (rope'd,
+    interleaved layout). Rows [0, length) are committed; a forward writes its n rows after them."""
+
+    def __init__(self, cfg: ModelConfig, capacity: int):
+        L = cfg.num_hidden_layers
+        self.ckv = np.zeros((L, capacity, cfg.kv_lora_rank))
+        self.kpe = np.zeros((L, capacity, cfg.qk_rope_head_dim))
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.ckv.shape[1]
+
+    def compact(self, start: int, keep: np.ndarray) -> None:
+        """Keeps rows start + keep[k] at start + k (keep ascending: DDTREE.md section 5), sets
+        length = start + len(keep). Reads every kept row before writing any: keep[k] >= k, so an
+        in-place row-by-row copy could overwrite a row it still has to read."""
+        keep = np.asarray(keep, dtype=np.int64)
+        rows_ckv = self.ckv[:, start + keep].copy()  # read all ...
+        rows_kpe = self.kpe[:, start + keep].copy()
+        self.ckv[:, start:start + len(keep)] = rows_ckv  # ... then write
+        self.kpe[:, start:start + len(keep)] = rows_kpe
+        self.length = start + len(keep)
+
+
+def pack_visibility(vis: np.ndarray) -> np.ndarray:
+    """bool [n, n] -> uint32 [n, ceil(n/32)], bit j % 32 of word j // 32 set iff vis[i, j]."""
+    n = vis.shape[0]
+    W = (n + 31) // 32
+    out = np.zeros((n, W), dtype=np.uint32)
+    for j in range(n):
+        out[vis[:, j], j // 32] |= np.uint32(1 << (j % 32))
+    return out
+
+
+def _attend_latent(q_lat, q_pe, ckv, kpe, prefix_len, vis, scale):
+    """Absorbed attention for n queries over prefix rows [0, P) and the n new rows [P, P+n).
+
+    q_lat [n, H, r], q_pe [n, H, dr], ckv [P+n, r], kpe [P+n, dr], vis bool [n, n] (row i sees
+    new row j iff vis[i, j]). Returns the latent output [n, H, r]: softmax-weighted sums of c_kv.
+    """
+    # TODO(switch): use engine.mla.tree_verify_attention once it lands (docs/DEVELOPING.md).
+    n = q_lat.shape[0]
+    mask = np.concatenate([np.ones((n, prefix_len), dtype=bool), vis], axis=1)  # [n, P+n]
+    s = (np.einsum("nhr,kr->nhk", q_lat, ckv) + np.einsum("nhd,kd->nhk", q_pe, kpe)) * scale
+    s = np.where(mask[:, None, :], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("nhk,kr->nhr", p, ckv)
+
+
+# ---------------------------------------------------------------- the model
+
+class Model:
+    """float64 reference. `forward` runs n new tokens against a LatentCache."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray]):
+        self.cfg = cfg
+        self.w = {k: np.asarray(v, dtype=np.float64) for k, v in weights.items()}
+        self.scale = softmax_scale(cfg)
+        H, dn, dv, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        # kv_b_proj [H*(dn+dv), r] viewed [H, dn+dv, r]: W_UK = [:, :dn] [H, dn, r], W_UV = [:, dn:] [H, dv, r]
+        self.w_uk, self.w_uv = [], []
+        for i in range(cfg.num_hidden_layers):
+            kvb = self.w[f"model.layers.{i}.self_attn.kv_b_proj.weight"].reshape(H, dn + dv, r)
+            self.w_uk.append(kvb[:, :dn, :])
+            self.w_uv.append(kvb[:, dn:, :])
+
+    @classmethod
+    def from_dir(cls, weights_dir: str | Path) -> "Model":
+        return cls(*load_weights(weights_dir))
+
+    def new_cache(self, capacity: int) -> LatentCache:
+        return LatentCache(self.cfg, capacity)
+
+    def forward(self, tokens, positions, cache: LatentCache, vis: np.ndarray | None = None):
+        """n tokens [n] at positions [n] after the cache's committed rows, seeing each other per
+        vis bool [n, n] (default causal). Writes their KV rows at [length, length + n) and sets
+        length += n (a tree verify then calls cache.compact). Returns (logits [n, V], hidden [n, D]),
+        hidden = the final-norm output that the LM head reads (the drafter's input)."""
+        cfg = self.cfg
+        tokens = np.asarray(tokens, dtype=np.int64)
+        positions = np.asarray(positions, dtype=np.int64)
+        n = len(tokens)
+        if vis is None:
+            vis = np.tril(np.ones((n, n), dtype=bool))
+        P = cache.length
+        if P + n > cache.capacity:
+            raise ValueError(f"forward: cache capacity {cache.capacity} < length {P} + {n} tokens")
+        if tokens.min() < 0 or tokens.max() >= cfg.vocab_size:
+            raise ValueError(f"forward: token ids outside [0, {cfg.vocab_size}): {tokens}")
+        cos, sin = rope_cos_sin(cfg, positions)
+        x = self.w["model.embed_tokens.weight"][tokens]  # [n, D]
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            h = rms_norm(x, self.w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+            x = x + self._attention(i, h, cos, sin, cache, P, vis)
+            h = rms_norm(x, self.w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+            x = x + (self._moe(i, h) if cfg.is_moe_layer(i) else self._mlp(p + "mlp.", h))
+        cache.length = P + n
+        hidden = rms_norm(x, self.w["model.norm.weight"], cfg.rms_norm_eps)
+        head = self.w["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+        return hidden @ head.T, hidden
+
+    def _attention(self, i, h, cos, sin, cache, P, vis):
+        cfg, w = self.cfg, self.w
+        a = f"model.layers.{i}.self_attn."
+        n, H = h.shape[0], cfg.num_attention_heads
+        dn, dr, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+        if cfg.q_lora_rank:
+            q = rms_norm(h @ w[a + "q_a_proj.weight"].T, w[a + "q_a_layernorm.weight"], cfg.rms_norm_eps)
+            q = q @ w[a + "q_b_proj.weight"].T
+        else:
+            q = h @ w[a + "q_proj.weight"].T
+        q = q.reshape(n, H, dn + dr)
+        q_nope, q_pe = q[..., :dn], apply_rope(q[..., dn:], cos, sin)   # [n, H, dn], [n, H, dr]
+        kv = h @ w[a + "kv_a_proj_with_mqa.weight"].T                   # [n, r + dr]
+        cache.ckv[i, P:P + n] = rms_norm(kv[:, :r], w[a + "kv_a_layernorm.weight"], cfg.rms_norm_eps)
+        cache.kpe[i, P:P + n] = apply_rope(kv[:, r:], cos, sin)
+        q_lat = np.einsum("nhd,hdr->nhr", q_nope, self.w_uk[i])        # absorb W_UK: [n, H, r]
+        o_lat = _attend_latent(q_lat, q_pe, cache.ckv[i, :P + n], cache.kpe[i, :P + n], P, vis,
+                               self.scale)
+        o = np.einsum("nhr,hvr->nhv", o_lat, self.w_uv[i])              # apply W_UV: [n, H, dv]
+        return o.reshape(n, -1) @ w[a + "o_proj.weight"].T
+
+    def _mlp(self, m, h):
+        w = self.w
+        return swiglu(h, w[m + "gate_proj.weight"], w[m + "up_proj.weight"], w[m + "down_proj.weight"])
+
+    def _moe(self, i, h):
+        cfg, w = self.cfg, self.w
+        m = f"model.layers.{i}.mlp."
+        ids, weights = route(cfg, h, w[m + "gate.weight"], w[m + "gate.e_score_correction_bias"])
+        out = np.zeros_like(h)
+        for e in np.unique(ids):
+            rows, slot = np.nonzero(ids == e)
+            out[rows] += weights[rows, slot][:, None] * self._mlp(f"{m}experts.{e}.", h[rows])
+        if cfg.n_shared_experts:
+            out += self._mlp(m + "shared_experts.", h)
+        return out
+
+
+# ---------------------------------------------------------------- CLI
+
+def greedy(model: Model, prompt_ids, max_new_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """Plain greedy AR decode (prefill, then one token per forward). Returns (new tokens [T] int64,
+    the logits [T, V] that chose them). The decoding loops with stats are in engine.model_decode."""
+    prompt_ids = np.asarray(prompt_ids, dtype=np.int64)
+    cache = model.new_cache(len(prompt_ids) + max_new_tokens)
+    logits, _ = model.forward(prompt_ids, np.arange(len(prompt_ids)), cache)
+    out, out_logits = [], []
+    last = logits[-1]
+    for t in range(max_new_tokens):
+        tok = int(np.argmax(last))
+        out.append(tok)
+        out_logits.append(last)
+        if t + 1 < max_new_tokens:
+            pos = cache.length
+            last = model.forward([tok], [pos], cache)[0][0]
+    return np.array(out, dtype=np.int64), np.array(out_logits)
+
+
+def check(model: Model, n_prompts: int = 8, new_tokens: int = 48, seed: int = 0) -> dict:
+    """Logit spread and greedy diversity on random prompts: the weights must not give near-ties
+    everywhere nor a model that repeats one token."""
+    rng = np.random.default_rng(seed)
+    gaps, stds, distinct, longest_run = [], [], [], []
+    for _ in range(n_prompts):
+        prompt = rng.integers(0, model.cfg.vocab_size, size=int(rng.integers(4, 24)))
+        toks, logits = greedy(model, prompt, new_tokens)
+        top2 = -np.sort(-logits, axis=-1)[:, :2]
+        gaps.append(top2[:, 0] - top2[:, 1])
+        stds.append(logits.std(-1))
+        distinct.append(len(set(toks.tolist())))
+        run, best = 1, 1
+        for a, b in zip(toks[:-1], toks[1:]):
+            run = run + 1 if a == b else 1
+            best = max(best, run)
+        longest_run.append(best)
+    gaps = np.concatenate(gaps)
+    return {"logit_std_mean": float(np.mean(np.concatenate(stds))),
+            "top1_top2_gap_median": float(np.median(gaps)),
+            "top1_top2_gap_min": float(gaps.min()),
+            "distinct_tokens_per_sequence_min": int(min(distinct)),
+            "distinct_tokens_per_sequence_mean": float(np.mean(distinct)),
+            "longest_repeat_run_max": int(max(longest_run)),
+            "new_tokens": new_tokens}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m engine.model", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("init", help="write config.json + model.safetensors (+ the drafter) to DIR")
+    a.add_argument("--config", help="a config.json to use instead of the tiny default")
+    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--out", required=True)
+    a.add_argument("--no-drafter", action="store_true", help="skip the block drafter's weights")
+    c = sub.add_parser("check", help="print logit spread and greedy diversity of DIR's model")
+    c.add_argument("--weights", required=True)
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "init":
+            cfg = load_config(args.config) if args.config else tiny_config()
+            save_weights(args.out, cfg, init_weights(cfg, args.seed))
+            print(f"wrote {Path(args.out) / CONFIG_FILE} and {Path(args.out) / WEIGHTS_FILE}")
+            if not args.no_drafter:
+                from engine import drafters
+                paths = drafters.init_block_drafter(args.out, seed=args.seed + 1)
+                print("wrote " + " and ".join(str(p) for p in paths))
+        else:
+            print(json.dumps(check(Model.from_dir(args.weights)), indent=2))
+    except (ModelFormatError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 5
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
