@@ -1,0 +1,341 @@
+"""Compare two benchmark runs, like with like, from their raw samples.
+
+`compare_runs(run_a, run_b, threshold=0.05)` reads every suite JSON (`bench/__init__.py`,
+schema 1) in the two run folders, pairs records by suite and parameters, and for each pair
+decides *faster*, *slower* or *no significant change* with a two-sided Mann-Whitney U test on
+the raw samples (exact distribution for small untied samples, normal approximation with tie
+correction otherwise) at `alpha`. The size of a change is the ratio of medians, B / A - 1,
+with a bootstrap 95% interval beside it. A significant slowdown larger than `threshold` is a
+regression: `Comparison.exit_code` is then 2 (ARCHITECTURE.md, exit codes).
+
+Runs are comparable only when their host, GPU model and build flags match; otherwise the
+comparison is refused with the reason (`refused`, exit code 5) and no verdicts are made.
+A run folder is `results/<host>/<run-id>/` (or a remote `runs/<run-id>/`): its manifest.json
+gives host, GPUs and build; the suite JSONs' provenance and build blocks fill in when it lacks
+them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["Row", "Comparison", "compare_runs", "mann_whitney_u", "record_key", "latest_run",
+           "EXIT_REGRESSION", "EXIT_REFUSED"]
+
+EXIT_REGRESSION = 2
+EXIT_REFUSED = 5
+# Fields of a record that are measurements, not parameters (record_key ignores them).
+_MEASURED = {"samples", "summary", "rates", "validation", "table", "notes", "speedup",
+             "speedups", "fraction", "fractions", "error"}
+
+
+# ---------------------------------------------------------------- statistics -------------
+
+def _exact_u_cdf(n1: int, n2: int) -> np.ndarray:
+    """Counts of each U = 0..n1*n2 over all C(n1+n2, n1) orderings (no ties).
+
+    The generating function is the Gaussian binomial [n1+n2 choose n1]_q, built one factor at
+    a time: multiply by (1 - q^(n2+i)), then divide by (1 - q^i) (a running sum with stride i);
+    every intermediate is again a Gaussian binomial, so integers stay exact (int64 suffices for
+    n1 + n2 <= 60: C(60, 30) < 2^63).
+    """
+    size = n1 * n2 + 1
+    c = np.zeros(size, dtype=np.int64)
+    c[0] = 1
+    for i in range(1, n1 + 1):
+        shift = n2 + i
+        if shift < size:
+            c[shift:] -= c[:size - shift].copy()
+        for k in range(i, size):
+            c[k] += c[k - i]
+    return c
+
+
+def mann_whitney_u(x, y) -> tuple:
+    """(U of x, two-sided p) for H0: x and y come from the same distribution."""
+    x = np.asarray(x, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
+    n1, n2 = x.size, y.size
+    if n1 == 0 or n2 == 0:
+        raise ValueError(f"mann_whitney_u: empty sample (sizes {n1}, {n2})")
+    allv = np.concatenate([x, y])
+    order = np.argsort(allv, kind="mergesort")
+    ranks = np.empty(allv.size, dtype=np.float64)
+    sorted_v = allv[order]
+    # average ranks over ties
+    i = 0
+    tie_term = 0.0
+    while i < allv.size:
+        j = i
+        while j + 1 < allv.size and sorted_v[j + 1] == sorted_v[i]:
+            j += 1
+        ranks[order[i:j + 1]] = 0.5 * (i + j) + 1.0
+        t = j - i + 1
+        tie_term += t**3 - t
+        i = j + 1
+    u1 = float(ranks[:n1].sum() - n1 * (n1 + 1) / 2.0)
+    has_ties = tie_term > 0
+    if not has_ties and n1 + n2 <= 60:
+        counts = _exact_u_cdf(n1, n2).astype(np.float64)
+        total = counts.sum()
+        k = int(round(u1))
+        lo = counts[:k + 1].sum() / total
+        hi = counts[k:].sum() / total
+        return u1, float(min(1.0, 2.0 * min(lo, hi)))
+    mu = n1 * n2 / 2.0
+    n = n1 + n2
+    var = n1 * n2 / 12.0 * ((n + 1) - tie_term / (n * (n - 1)))
+    if var <= 0:  # every sample equal: nothing to tell apart
+        return u1, 1.0
+    z = (abs(u1 - mu) - 0.5) / math.sqrt(var)  # continuity correction
+    p = math.erfc(max(z, 0.0) / math.sqrt(2.0))
+    return u1, float(min(1.0, p))
+
+
+def _bootstrap_change(a, b, seed: int, reps: int = 1000) -> tuple:
+    """95% interval of median(b) / median(a) - 1 by resampling each side with replacement."""
+    rng = np.random.default_rng(seed)
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    ma = np.median(a[rng.integers(0, a.size, (reps, a.size))], axis=1)
+    mb = np.median(b[rng.integers(0, b.size, (reps, b.size))], axis=1)
+    ratio = mb / np.where(ma > 0, ma, np.nan) - 1.0
+    ratio = ratio[np.isfinite(ratio)]
+    if ratio.size == 0:
+        return (float("nan"), float("nan"))
+    lo, hi = np.percentile(ratio, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
+# ---------------------------------------------------------------- runs and records -------
+
+def record_key(rec: dict) -> str:
+    """A record's identity: `bench/backend` and its case parameters, or its scalar fields."""
+    if "bench" in rec:
+        head = "/".join(str(rec[k]) for k in ("bench", "backend") if rec.get(k) is not None)
+        case = rec.get("case") or {}
+        tail = " ".join(f"{k}={case[k]}" for k in sorted(case))
+        return f"{head} {tail}".strip()
+    parts = [f"{k}={v}" for k, v in sorted(rec.items())
+             if k not in _MEASURED and isinstance(v, (str, int, float, bool)) and v is not None]
+    return " ".join(parts)
+
+
+def _load_run(run_dir: Path) -> dict:
+    """{"manifest": dict|None, "suites": {name: doc}} of one run folder."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"compare: run folder {run_dir} does not exist")
+    manifest = None
+    mpath = run_dir / "manifest.json"
+    if mpath.is_file():
+        manifest = json.loads(mpath.read_text())
+    suites = {}
+    for p in sorted(run_dir.glob("*.json")):
+        if p.name == "manifest.json":
+            continue
+        try:
+            doc = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"compare: {p}: not valid JSON ({e})") from None
+        if isinstance(doc, dict) and "suite" in doc and isinstance(doc.get("results"), list):
+            suites[doc["suite"]] = doc
+    if not suites:
+        raise ValueError(f"compare: {run_dir} holds no benchmark suite JSON (is it a bench run?)")
+    return {"dir": run_dir, "manifest": manifest, "suites": suites}
+
+
+def _first_provenance(run: dict) -> dict:
+    for doc in run["suites"].values():
+        prov = doc.get("provenance")
+        if isinstance(prov, dict) and "error" not in prov:
+            return prov
+    return {}
+
+
+def _host_name(run: dict) -> str:
+    m = run["manifest"] or {}
+    host = m.get("host")
+    if isinstance(host, dict) and host.get("name"):
+        return str(host["name"])
+    if isinstance(host, str) and host:
+        return host
+    return run["dir"].parent.name  # results/<host>/<run-id>
+
+
+def _gpu_models(run: dict) -> list:
+    m = run["manifest"] or {}
+    facts = m.get("host_facts") or _first_provenance(run).get("host_facts") or {}
+    gpus = facts.get("gpus") or []
+    return sorted(str(g.get("name", "?")) if isinstance(g, dict) else str(g) for g in gpus)
+
+
+def _build_commands(run: dict) -> list:
+    for doc in run["suites"].values():
+        cmds = (doc.get("build") or {}).get("commands")
+        if cmds:
+            return list(cmds)
+    m = run["manifest"] or {}
+    b = m.get("build") or _first_provenance(run).get("build") or {}
+    return list(b.get("commands") or [])
+
+
+def build_flags(commands) -> list:
+    """The flags that change code (paths dropped): sorted unique (tool, flag) strings."""
+    flags = set()
+    for cmd in commands:
+        try:
+            toks = shlex.split(cmd)
+        except ValueError:
+            toks = cmd.split()
+        if not toks:
+            continue
+        tool = Path(toks[0]).name
+        skip_next = False
+        for t in toks[1:]:
+            if skip_next:
+                skip_next = False
+                continue
+            if t in ("-o", "-I", "-L", "-MF", "-x"):
+                skip_next = t != "-x"
+                if t == "-x":
+                    flags.add(f"{tool} -x")
+                continue
+            if t.startswith(("-I", "-L", "-o", "-MF")) or not t.startswith("-"):
+                continue
+            flags.add(f"{tool} {t}")
+    return sorted(flags)
+
+
+def _refusal(a: dict, b: dict) -> str | None:
+    ha, hb = _host_name(a), _host_name(b)
+    if ha != hb:
+        return f"different hosts: {ha} vs {hb}"
+    ga, gb = _gpu_models(a), _gpu_models(b)
+    if ga != gb:
+        return f"different GPU models: {ga or 'none'} vs {gb or 'none'}"
+    fa, fb = build_flags(_build_commands(a)), build_flags(_build_commands(b))
+    if fa != fb:
+        only_a = sorted(set(fa) - set(fb))
+        only_b = sorted(set(fb) - set(fa))
+        return (f"different build flags: only in A {only_a or '[]'}, only in B {only_b or '[]'}")
+    return None
+
+
+# ---------------------------------------------------------------- comparison -------------
+
+@dataclass
+class Row:
+    suite: str
+    key: str
+    median_a: float
+    median_b: float
+    change: float          # median_b / median_a - 1 (positive: B is slower)
+    ci: tuple              # bootstrap 95% interval of `change`
+    p_value: float
+    n_a: int
+    n_b: int
+    verdict: str           # faster | slower | no significant change
+    regression: bool       # slower and change > threshold
+
+
+@dataclass
+class Comparison:
+    run_a: Path
+    run_b: Path
+    threshold: float
+    alpha: float
+    refused: str | None = None
+    rows: list = field(default_factory=list)
+    only_a: list = field(default_factory=list)
+    only_b: list = field(default_factory=list)
+
+    @property
+    def regressions(self) -> list:
+        return [r for r in self.rows if r.regression]
+
+    @property
+    def exit_code(self) -> int:
+        if self.refused:
+            return EXIT_REFUSED
+        return EXIT_REGRESSION if self.regressions else 0
+
+    def format(self) -> str:
+        head = f"compare A={self.run_a.name} B={self.run_b.name}"
+        if self.refused:
+            return f"{head}: refused: {self.refused}\n"
+        from bench import format_table
+
+        rows = [[r.suite, r.key, r.median_a * 1e6, r.median_b * 1e6, f"{100 * r.change:+.1f}%",
+                 f"[{100 * r.ci[0]:+.1f}, {100 * r.ci[1]:+.1f}]%", r.p_value,
+                 r.verdict + (" REGRESSION" if r.regression else "")] for r in self.rows]
+        text = [head + f" (threshold {100 * self.threshold:.1f}%, alpha {self.alpha})",
+                format_table(["suite", "benchmark", "A us", "B us", "change", "95% CI", "p",
+                              "verdict"], rows)]
+        counts = {v: sum(r.verdict == v for r in self.rows)
+                  for v in ("faster", "slower", "no significant change")}
+        text.append(", ".join(f"{n} {v}" for v, n in counts.items())
+                    + f"; {len(self.regressions)} regression(s) beyond the threshold")
+        if self.only_a or self.only_b:
+            text.append(f"not compared: {len(self.only_a)} only in A, {len(self.only_b)} only in B")
+        return "\n".join(text) + "\n"
+
+
+def _records(doc: dict) -> dict:
+    out = {}
+    for rec in doc.get("results", []):
+        if isinstance(rec, dict) and rec.get("samples"):
+            if isinstance(rec.get("validation"), dict) and rec["validation"].get("ok") is False:
+                continue  # an invalid result is not a timing to compare
+            out[record_key(rec)] = rec
+    return out
+
+
+def compare_runs(run_a_dir, run_b_dir, threshold: float = 0.05, alpha: float = 0.01) -> Comparison:
+    """Compare run B against run A (the baseline); see the module docstring."""
+    if not (0 <= threshold < 10):
+        raise ValueError(f"compare: threshold must be a fraction in [0, 10), got {threshold}")
+    a, b = _load_run(Path(run_a_dir)), _load_run(Path(run_b_dir))
+    cmp = Comparison(Path(run_a_dir), Path(run_b_dir), threshold, alpha)
+    cmp.refused = _refusal(a, b)
+    if cmp.refused:
+        return cmp
+    for suite in sorted(set(a["suites"]) | set(b["suites"])):
+        ra = _records(a["suites"].get(suite, {}))
+        rb = _records(b["suites"].get(suite, {}))
+        cmp.only_a += [f"{suite}: {k}" for k in sorted(set(ra) - set(rb))]
+        cmp.only_b += [f"{suite}: {k}" for k in sorted(set(rb) - set(ra))]
+        for key in sorted(set(ra) & set(rb)):
+            sa = np.asarray(ra[key]["samples"], dtype=np.float64)
+            sb = np.asarray(rb[key]["samples"], dtype=np.float64)
+            ma, mb = float(np.median(sa)), float(np.median(sb))
+            change = mb / ma - 1.0 if ma > 0 else float("inf")
+            _, p = mann_whitney_u(sa, sb)
+            seed = int.from_bytes(f"{suite}|{key}".encode()[-8:].rjust(8, b"\0"), "little") % 2**32
+            ci = _bootstrap_change(sa, sb, seed)
+            if p >= alpha or mb == ma:
+                verdict = "no significant change"
+            else:
+                verdict = "slower" if mb > ma else "faster"
+            cmp.rows.append(Row(suite, key, ma, mb, change, ci, p, sa.size, sb.size, verdict,
+                                verdict == "slower" and change > threshold))
+    return cmp
+
+
+def latest_run(host_dir, exclude=None) -> Path | None:
+    """The newest run folder (by run id, which starts with a UTC timestamp) holding a bench
+    suite JSON under `host_dir`, skipping `exclude`; None when there is none."""
+    host_dir = Path(host_dir)
+    if not host_dir.is_dir():
+        return None
+    skip = Path(exclude).resolve() if exclude else None
+    runs = [d for d in host_dir.iterdir() if d.is_dir() and any(
+        p.name != "manifest.json" for p in d.glob("*.json"))]
+    runs = [d for d in runs if skip is None or d.resolve() != skip]
+    return max(runs, key=lambda d: d.name) if runs else None
