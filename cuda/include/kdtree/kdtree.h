@@ -64,6 +64,16 @@ KDT_API int kdt_has_cuda(void);
 /* Number of visible CUDA devices (0 when none or a CPU-only build). Never fails. */
 KDT_API int kdt_cuda_device_count(void);
 
+/* Device-memory helpers (CUDA builds; KDT_ERR_UNSUPPORTED in a CPU-only build) so that test
+ * programs and Python can drive the CUDA backend without linking cudart. These synchronise:
+ * they are for tests and tools, not for the decode loop. Freeing or allocating 0 bytes / NULL
+ * is a no-op (kdt_device_alloc then stores NULL). */
+KDT_API kdt_status kdt_device_alloc(void** ptr, size_t bytes);
+KDT_API kdt_status kdt_device_free(void* ptr);
+KDT_API kdt_status kdt_memcpy_htod(void* dst_device, const void* src_host, size_t bytes);
+KDT_API kdt_status kdt_memcpy_dtoh(void* dst_host, const void* src_device, size_t bytes);
+KDT_API kdt_status kdt_device_synchronize(void);
+
 /* ---------------------------------------------------------------- tree build ---------- */
 /*
  * Best-first DDTree build (DDTREE.md sections 2-3), batched over bs requests.

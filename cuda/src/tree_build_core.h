@@ -1,0 +1,158 @@
+// tree_build_core.h: the DDTree best-first build (DDTREE.md section 2) as __host__ __device__
+// code shared by the CPU backend (tree_build_cpu.cpp) and the CUDA kernel (tree_build.cu), so
+// that both run the very same float64 operations in the very same order.
+//
+// One request at a time. The caller provides scratch for n = budget + 1 slots:
+//   heap_score [n] double, heap_cand [n] uint32   the frontier (a binary heap, best on top)
+//   node_score [n] double, node_cand [n] uint32   emitted nodes in pop order (slot 0 = root)
+//   first_child [n] int16, next_sibling [n] int16 SGLang-style child lists (prepend rule)
+// The frontier never holds more than budget + 1 entries: pop k (1-based) leaves at most k
+// entries before its (at most two) pushes, and the loop stops after `budget` pops.
+//
+// A candidate is the rank path path(parent) + (rank) at depth `depth`; it is packed in 32 bits
+// as parent (11 bits, < 1025) | rank (10 bits, < 1024) | depth (6 bits, <= 32).
+#pragma once
+
+#include <stdint.h>
+
+#if defined(__CUDACC__)
+#define KDT_HD __host__ __device__ __forceinline__
+#else
+#define KDT_HD inline
+#endif
+
+namespace kdt {
+namespace tree {
+
+constexpr int kMaxBudget = 1024;
+constexpr int kMaxDepth = 32;
+
+KDT_HD uint32_t pack(uint32_t parent, uint32_t rank, uint32_t depth) {
+  return (parent << 16) | (rank << 6) | depth;
+}
+KDT_HD int cand_parent(uint32_t c) { return (int)(c >> 16); }
+KDT_HD int cand_rank(uint32_t c) { return (int)((c >> 6) & 0x3FFu); }
+KDT_HD int cand_depth(uint32_t c) { return (int)(c & 0x3Fu); }
+
+struct Scratch {
+  double* heap_score;
+  uint32_t* heap_cand;
+  double* node_score;
+  uint32_t* node_cand;
+  int16_t* first_child;
+  int16_t* next_sibling;
+};
+
+// Lexicographic comparison of two distinct candidates' rank paths: < 0 when a sorts first
+// (a proper prefix sorts first). Walks emitted nodes' parents: O(L) per call; it only runs
+// on exact float64 score ties, which are common (bf16 logits give equal log-probs).
+KDT_HD int compare_paths(uint32_t a, uint32_t b, const uint32_t* node_cand) {
+  const int da = cand_depth(a), db = cand_depth(b);
+  // (parent, rank) name the path element at the current depth of each walk.
+  int pa = cand_parent(a), ra = cand_rank(a), pb = cand_parent(b), rb = cand_rank(b);
+  int d = da;
+  for (; d > db; --d) { const uint32_t c = node_cand[pa]; pa = cand_parent(c); ra = cand_rank(c); }
+  for (int e = db; e > da; --e) { const uint32_t c = node_cand[pb]; pb = cand_parent(c); rb = cand_rank(c); }
+  if (pa == pb && ra == rb) return da < db ? -1 : (da > db ? 1 : 0);  // one is a prefix
+  // Same depth, different elements: climb until both hang under one node. Depth-1 elements
+  // all hang under the root (parent 0), so this ends after at most L steps.
+  while (pa != pb) {
+    const uint32_t ca = node_cand[pa], cb = node_cand[pb];
+    pa = cand_parent(ca); ra = cand_rank(ca);
+    pb = cand_parent(cb); rb = cand_rank(cb);
+  }
+  return ra < rb ? -1 : 1;
+}
+
+// True when heap entry i is popped before entry j: score descending, then rank path ascending.
+KDT_HD bool heap_before(const Scratch& s, int i, int j) {
+  const double si = s.heap_score[i], sj = s.heap_score[j];
+  if (si != sj) return si > sj;
+  return compare_paths(s.heap_cand[i], s.heap_cand[j], s.node_cand) < 0;
+}
+
+KDT_HD void heap_swap(const Scratch& s, int i, int j) {
+  const double ts = s.heap_score[i]; s.heap_score[i] = s.heap_score[j]; s.heap_score[j] = ts;
+  const uint32_t tc = s.heap_cand[i]; s.heap_cand[i] = s.heap_cand[j]; s.heap_cand[j] = tc;
+}
+
+KDT_HD void heap_push(const Scratch& s, int& size, double score, uint32_t cand) {
+  int i = size++;
+  s.heap_score[i] = score;
+  s.heap_cand[i] = cand;
+  while (i > 0) {
+    const int p = (i - 1) / 2;
+    if (!heap_before(s, i, p)) break;
+    heap_swap(s, i, p);
+    i = p;
+  }
+}
+
+// Moves the best entry to index `size - 1` (after --size) and restores the heap above it.
+KDT_HD void heap_pop(const Scratch& s, int& size) {
+  --size;
+  heap_swap(s, 0, size);
+  int i = 0;
+  for (;;) {
+    const int l = 2 * i + 1, r = l + 1;
+    int best = i;
+    if (l < size && heap_before(s, l, best)) best = l;
+    if (r < size && heap_before(s, r, best)) best = r;
+    if (best == i) break;
+    heap_swap(s, i, best);
+    i = best;
+  }
+}
+
+// Runs the best-first build for one request. lp is [L, K] float32 (rows sorted descending).
+// Fills node_cand / node_score for slots 0..count and the child lists; returns count + 1 (the
+// number of slots used, root included). Slot 0: node_cand = 0, node_score = 0.0.
+KDT_HD int build_one(const float* lp, int L, int K, int budget, const Scratch& s) {
+  s.node_cand[0] = 0;
+  s.node_score[0] = 0.0;
+  s.first_child[0] = -1;
+  s.next_sibling[0] = -1;
+  int size = 0;
+  heap_push(s, size, (double)lp[0], pack(0, 0, 1));
+  int count = 0;
+  while (size > 0 && count < budget) {
+    heap_pop(s, size);
+    const double score = s.heap_score[size];
+    const uint32_t cand = s.heap_cand[size];
+    const int parent = cand_parent(cand), rank = cand_rank(cand), depth = cand_depth(cand);
+    const int i = ++count;
+    s.node_cand[i] = cand;
+    s.node_score[i] = score;
+    s.first_child[i] = -1;
+    s.next_sibling[i] = s.first_child[parent];  // prepend: lists run in descending index
+    s.first_child[parent] = (int16_t)i;
+    const float* row = lp + (size_t)(depth - 1) * K;
+    if (rank + 1 < K) {
+      // (score - lp[d-1][r]) + lp[d-1][r+1], left to right in float64 (DDTREE.md section 2)
+      const double sib = (score - (double)row[rank]) + (double)row[rank + 1];
+      heap_push(s, size, sib, pack(parent, rank + 1, depth));
+    }
+    if (depth < L) {
+      heap_push(s, size, score + (double)lp[(size_t)depth * K], pack(i, 0, depth + 1));
+    }
+  }
+  return count + 1;
+}
+
+// Word w of visibility row i: bit j set iff j == i or j is an ancestor of i. Ancestors have
+// smaller indices, so the walk stops once it passes below the word's first bit.
+KDT_HD uint32_t visibility_word(int i, int w, const uint32_t* node_cand) {
+  uint32_t word = 0;
+  const int lo = 32 * w;
+  int a = i;
+  for (;;) {
+    if (a < lo) break;
+    if (a < lo + 32) word |= 1u << (a - lo);
+    if (a == 0) break;
+    a = cand_parent(node_cand[a]);
+  }
+  return word;
+}
+
+}  // namespace tree
+}  // namespace kdt
