@@ -26,7 +26,7 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
-# The tiny default (about 1.9 M parameters, 4 layers, the first dense, then MoE with 8 experts in
+# The tiny default (about 3.8 M parameters, 4 layers, the first dense, then MoE with 8 experts in
 # 4 groups). YaRN is on (factor 4 over an original window of 128) so the softmax-scale and the
 # frequency-ramp corrections are exercised; mscale != mscale_all_dim so the cos/sin scaling is too.
 TINY_CONFIG = {
