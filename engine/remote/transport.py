@@ -52,7 +52,8 @@ KILL_GRACE_S = 2.0  # between TERM and KILL of a timed-out process group
 @dataclass
 class RunResult:
     command: str          # the command as given (argv joined with shlex.join)
-    exit_code: int        # the wrapper shell's status: 128+N when the command died of signal N
+    exit_code: int        # the wrapper shell's status: 128+N when the command died of signal N;
+                          # -1 when the wrapper itself was killed and no status came back
     signal: str | None    # e.g. "SIGSEGV" when the command was killed by a signal
     stdout: str
     stderr: str
