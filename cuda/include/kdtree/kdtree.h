@@ -148,6 +148,48 @@ KDT_API kdt_status kdt_verify_attention(kdt_backend backend, void* stream, kdt_d
 
 /* ---------------------------------------------------------------- engine -------------- */
 /* (section owned by the native engine: declarations and their shape comments go here) */
+/*
+ * The native engine: an FP32 DeepSeek-V3-style (MLA + MoE) target model with a latent KV cache
+ * per request slot. Unlike the kernels above, every engine call takes HOST pointers for both
+ * backends (the engine owns its device memory and copies in and out), and CUDA calls finish
+ * before returning. Arithmetic per token does not depend on the batch it is in, so DDTree
+ * verification and AR decoding (a one-node tree) produce bit-identical logits and KV rows.
+ *
+ * kdt_engine_create: loads weights_dir (config.json with DeepSeek-V3 keys + model.safetensors
+ *   or its shards, DeepSeek-V3 tensor names); max_slots request slots of max_seq cache rows each
+ *   (positions must be < max_seq). kdt_engine_destroy(NULL) is a no-op.
+ * kdt_engine_dim: "vocab_size", "hidden_size", "num_hidden_layers", "kv_dim", "max_slots",
+ *   "max_seq" or "backend".
+ * kdt_engine_forward: one target pass over n_req requests (distinct slots). Request b (slot
+ *   slots[b], committed length P_b) owns tokens q_indptr[b] .. q_indptr[b+1] (n_b >= 1, its
+ *   tree nodes in order); node i's KV goes to cache row P_b + i (not committed), and node i
+ *   attends to rows 0 .. P_b - 1 and to node j iff bit j % 32 of visibility[t * vis_words + j/32]
+ *   (t = q_indptr[b] + i) is set; the self bit must be set.
+ *     tokens, positions [total] int64; visibility [total, vis_words] uint32;
+ *     capture_layers [n_capture] int32: k = residual stream after k layers (0 = embeddings,
+ *       num_hidden_layers = before the final norm);
+ *     logits [total, vocab] float32 (may be NULL); hidden [total, n_capture, hidden] float32.
+ *   Prefill is a forward whose visibility is lower-triangular; an AR step a one-node tree.
+ * kdt_engine_commit: keeps uncommitted rows P + keep[0..n_keep) as rows P .. P + n_keep - 1
+ *   (all kept rows are read before any is written) and sets the slot's length to P + n_keep.
+ * kdt_engine_reset_slot: sets a slot's committed length to 0 (release / reuse).
+ */
+typedef struct kdt_engine kdt_engine;
+
+KDT_API kdt_status kdt_engine_create(kdt_backend backend, const char* weights_dir,
+                                     int32_t max_slots, int32_t max_seq, kdt_engine** out);
+KDT_API void kdt_engine_destroy(kdt_engine* engine);
+KDT_API kdt_status kdt_engine_dim(const kdt_engine* engine, const char* name, int64_t* value);
+KDT_API kdt_status kdt_engine_seq_len(const kdt_engine* engine, int32_t slot, int32_t* len);
+KDT_API kdt_status kdt_engine_reset_slot(kdt_engine* engine, int32_t slot);
+KDT_API kdt_status kdt_engine_forward(kdt_engine* engine, int32_t n_req, const int32_t* slots,
+                                      const int32_t* q_indptr, const int64_t* tokens,
+                                      const int64_t* positions, const uint32_t* visibility,
+                                      int32_t vis_words, int32_t n_capture,
+                                      const int32_t* capture_layers, float* logits,
+                                      float* hidden);
+KDT_API kdt_status kdt_engine_commit(kdt_engine* engine, int32_t slot, int32_t n_keep,
+                                     const int32_t* keep);
 
 #ifdef __cplusplus
 } /* extern "C" */

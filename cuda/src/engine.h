@@ -1,0 +1,67 @@
+// engine.h: internal state of the native engine behind the opaque kdt_engine handle.
+//
+// The engine owns the model weights (host FP32, plus a device copy for CUDA), one latent KV
+// cache per layer laid out [max_slots, max_seq, C + R], and the committed length of each slot.
+// A forward pass writes the KV rows of its tokens right after the slot's committed rows
+// (P .. P + n - 1) without committing them; kdt_engine_commit keeps a chosen subset in order.
+//
+// Determinism (the reason DDTree output equals AR output bit for bit in FP32): every per-token
+// quantity is computed by a reduction whose order depends only on that token's own data, never
+// on how many tokens share the batch, and attention visits a query's visible keys in position
+// order (prefix rows, then visible tree rows by index, which along a tree path is position
+// order), so a tree node and the same token decoded autoregressively see identical arithmetic.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "model.h"
+
+namespace kdt {
+namespace engine {
+
+// One forward batch, host pointers (validated by the API before a backend sees it).
+struct Batch {
+  int n_req = 0;               // requests in the batch
+  const int32_t* slots;        // [n_req] slot of each request (distinct)
+  const int32_t* q_indptr;     // [n_req + 1] request b owns tokens q_indptr[b] .. q_indptr[b+1]
+  const int32_t* prefix;       // [n_req] committed length P_b of each request's slot
+  int total = 0;               // q_indptr[n_req]
+  const int64_t* tokens;       // [total]
+  const int64_t* positions;    // [total] absolute positions (rope)
+  const uint32_t* visibility;  // [total, vis_words] bit j of row i: node j (same request) visible
+  int vis_words = 0;
+  int max_tree = 0;            // max over requests of n_b
+  int n_capture = 0;           // hidden states to return per token
+  const int32_t* capture;      // [n_capture] k = residual stream after k layers (0 = embeddings)
+  float* logits;               // [total, V] or null
+  float* hidden;               // [total, n_capture, D] or null
+};
+
+struct CudaState;  // model_cuda.cu (CUDA builds only)
+
+struct Engine {
+  kdt_backend backend = KDT_BACKEND_CPU;
+  model::HostModel model;
+  int max_slots = 0, max_seq = 0;
+  std::vector<int32_t> seq_len;             // [max_slots] committed rows per slot
+  std::vector<std::vector<float>> kv;       // CPU: per layer [max_slots, max_seq, C + R]
+  CudaState* cuda = nullptr;
+  ~Engine();
+};
+
+// CPU backend (model_cpu.cpp).
+kdt_status forward_cpu(Engine& e, const Batch& b);
+kdt_status commit_cpu(Engine& e, int slot, int n_keep, const int32_t* keep);
+
+#if defined(KDT_WITH_CUDA)
+// CUDA backend (model_cuda.cu): upload weights, run, compact, free.
+kdt_status cuda_init(Engine& e);
+void cuda_free(Engine& e);
+kdt_status forward_cuda(Engine& e, const Batch& b);
+kdt_status commit_cuda(Engine& e, int slot, int n_keep, const int32_t* keep);
+#endif
+
+}  // namespace engine
+}  // namespace kdt
