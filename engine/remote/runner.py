@@ -183,6 +183,8 @@ class Runner:
         for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
             signal.signal(s, self._on_signal)
         started = utc_now()
+        for name, why in (self.req.get("skipped") or {}).items():  # planned out, e.g. no run_tests.sh yet
+            self.status[name] = {"status": "skipped", "reason": why}
         clocks_before = provenance.gpu_clocks()
         for step in self.req["steps"]:
             name = step["name"]
