@@ -304,3 +304,32 @@ def _torch_dtype(dtype: np.dtype):
     if dtype not in table:
         raise TypeError(f"no torch dtype for numpy dtype {dtype}")
     return table[dtype]
+
+
+# ---------------------------------------------------------------- building (tests, tools)
+
+
+def build_if_stale(arch: str = "cpu", out: Path | None = None) -> Path:
+    """Run cuda/build.sh --arch ARCH --out OUT when OUT/libkdtree.so is missing or older than
+    any file under cuda/src or cuda/include; return the library path. A file lock keeps
+    concurrent test sessions from building into the same folder at once. Raises RuntimeError
+    with the build's output tail when the build fails."""
+    import fcntl
+    import subprocess
+
+    out = out or REPO_ROOT / "build" / arch
+    out.mkdir(parents=True, exist_ok=True)
+    lib = out / "libkdtree.so"
+    with open(out / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        sources = [p for d in ("cuda/src", "cuda/include", "cuda/tests", "cuda/bench")
+                   for p in (REPO_ROOT / d).rglob("*") if p.is_file()]
+        newest = max((p.stat().st_mtime for p in sources), default=0.0)
+        if lib.is_file() and lib.stat().st_mtime >= newest:
+            return lib
+        cmd = ["bash", str(REPO_ROOT / "cuda" / "build.sh"), "--arch", arch, "--out", str(out)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            tail = (r.stdout + r.stderr)[-3000:]
+            raise RuntimeError(f"{' '.join(cmd)} failed with exit code {r.returncode}:\n{tail}")
+    return lib

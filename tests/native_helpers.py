@@ -1,0 +1,105 @@
+"""Shared helpers of the native-vs-reference tests (test_native_tree*.py, test_native_kdtr*.py).
+
+`native()` returns the `engine.native` module after making sure a library is there: with
+KDTREE_LIB set it uses that file; otherwise it (re)builds build/cpu when it is missing or older
+than cuda/ sources (cuda/build.sh --arch cpu --out build/cpu) and points KDTREE_LIB at it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+FIELDS_TREE = ["tokens", "parents", "depths", "positions", "first_child", "next_sibling",
+               "visibility", "num_nodes", "scores"]
+FIELDS_ACCEPT = ["accept_index", "accept_len", "bonus", "status"]
+
+# Device parameter for backend-generic tests; the cuda case skips (with the reason) without a
+# CUDA build or a visible GPU through the autouse fixture `skip_cuda_without_gpu`.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+_READY = None
+
+
+def native():
+    global _READY
+    if _READY is None:
+        from engine.native import _lib
+
+        if not os.environ.get("KDTREE_LIB"):
+            try:
+                os.environ["KDTREE_LIB"] = str(_lib.build_if_stale("cpu"))
+            except RuntimeError as e:
+                pytest.fail(f"building the native library failed: {e}")
+        import engine.native
+
+        _READY = engine.native
+    return _READY
+
+
+def cuda_skip_reason() -> str | None:
+    lib = native().library()
+    if not lib.has_cuda:
+        return f"{lib.path} is a CPU-only build (set KDTREE_LIB to a CUDA build to run this)"
+    if lib.cuda_device_count() == 0:
+        return "no CUDA device is visible to libkdtree"
+    return None
+
+
+@pytest.fixture(autouse=True)
+def skip_cuda_without_gpu(request):
+    callspec = getattr(request.node, "callspec", None)
+    wants_cuda = (callspec is not None and callspec.params.get("device") == "cuda") or \
+        "cuda_ready" in request.fixturenames
+    if wants_cuda:
+        reason = cuda_skip_reason()
+        if reason:
+            pytest.skip(reason)
+
+
+@pytest.fixture
+def cuda_ready():
+    """Marks a test as needing the CUDA backend (skip logic in skip_cuda_without_gpu)."""
+    return True
+
+
+def random_build_inputs(rng, bs: int, L: int, K: int, ties: bool):
+    """(top_logp float32 [bs, L, K] rows sorted descending, top_ids int64 [bs, L, K],
+    root_ids int64 [bs], seq_lens int64 [bs]). ties=True draws log-probs from a few repeated
+    values (exact float64 score ties); else log-softmax of bf16-rounded random logits."""
+    if ties:
+        if rng.integers(0, 2):
+            pool = -0.25 * np.arange(6)  # dyadic: sums are exact, ties everywhere
+        else:
+            pool = np.log(rng.uniform(0.01, 1.0, size=4))
+        lp = rng.choice(pool, size=(bs, L, K)).astype(np.float32)
+    else:
+        V = max(K, 2 * K)
+        logits = rng.normal(0.0, 3.0, size=(bs, L, V)).astype(np.float32)
+        # bf16 rounding of the logits (drop the low 16 bits): what a real drafter gives.
+        logits = (logits.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+        m = logits.max(axis=2, keepdims=True)
+        lse = m + np.log(np.exp(logits - m).sum(axis=2, keepdims=True))
+        lp = (logits - lse).astype(np.float32)
+        lp = -np.sort(-lp, axis=2)[:, :, :K]
+    lp = -np.sort(-lp, axis=2)
+    lp = np.ascontiguousarray(lp, np.float32)
+    ids = rng.integers(0, 1000, size=(bs, L, K)).astype(np.int64)
+    root = rng.integers(0, 1000, size=bs).astype(np.int64)
+    seq = rng.integers(0, 5000, size=bs).astype(np.int64)
+    return lp, ids, root, seq
+
+
+def assert_same(got, ref, fields, context: str) -> None:
+    """Exact equality per field: shape, dtype, then the first differing index and both values."""
+    for f in fields:
+        g, r = np.asarray(getattr(got, f)), np.asarray(getattr(ref, f))
+        assert g.shape == r.shape, f"{context}: {f}: shape {g.shape} != reference {r.shape}"
+        assert g.dtype == r.dtype, f"{context}: {f}: dtype {g.dtype} != reference {r.dtype}"
+        diff = np.argwhere(g != r)
+        if len(diff):
+            at = tuple(int(v) for v in diff[0])
+            raise AssertionError(f"{context}: {f}: {len(diff)} elements differ; first at {at}: "
+                                 f"native {g[at]!r} != reference {r[at]!r}")
