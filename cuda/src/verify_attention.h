@@ -1,0 +1,71 @@
+// verify_attention.h: internals of kdt_verify_attention shared by the entry point
+// (verify_attention_api.cpp), the CPU backend (verify_attention_cpu.cpp) and the CUDA backend
+// (verify_attention.cu). Not part of the ABI.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kdtree/kdtree.h"
+
+namespace kdt {
+
+// Arguments of one call, already validated by the entry point (shapes as in kdtree.h).
+struct VerifyAttentionArgs {
+  kdt_dtype dtype;
+  int32_t bs, num_heads, d_latent, d_rope, total_q, total_kv, max_tree, max_kv;
+  const int32_t* q_indptr;   // [bs + 1]
+  const int32_t* kv_indptr;  // [bs + 1]
+  const void* q_lat;         // [total_q, H, d_latent]
+  const void* q_pe;          // [total_q, H, d_rope]
+  const void* kv_cache;      // [total_kv, d_latent + d_rope]
+  const uint32_t* visibility;  // [total_q, vis_words]
+  int32_t vis_words;
+  float softmax_scale;
+  float* out;  // [total_q, H, d_latent]
+  float* lse;  // [total_q, H]
+};
+
+// Launch geometry of the CUDA backend, a pure function of the sizes so that the workspace
+// query and the call agree without touching the device.
+//   rows of request b = n_b * H (query-head pairs, row = node * H + head), tiled by kRowsPerBlock;
+//   prefix rows [0, P_b) split into `splits` chunks of `chunk` rows (a multiple of kKvTile).
+struct VerifyAttentionPlan {
+  static constexpr int kRowsPerBlock = 16;  // 8 warps x 2 rows (verify_attention.cu)
+  static constexpr int kKvTile = 32;        // cache rows per shared-memory tile
+  static constexpr int kTargetBlocks = 264; // ~2 waves of an H200's 132 SMs
+  static constexpr int kMinChunk = 256;     // below this the partial-state traffic dominates
+  int64_t row_tiles = 0;  // ceil(max_tree * H / kRowsPerBlock)
+  int64_t splits = 0;     // prefix chunks per request (0 when max_kv == 0)
+  int64_t chunk = 0;      // prefix rows per chunk
+
+  static VerifyAttentionPlan make(int32_t bs, int32_t num_heads, int32_t max_tree,
+                                  int32_t max_kv) {
+    VerifyAttentionPlan p;
+    p.row_tiles = (int64_t(max_tree) * num_heads + kRowsPerBlock - 1) / kRowsPerBlock;
+    if (max_kv <= 0 || bs <= 0 || p.row_tiles == 0) return p;
+    int64_t base = p.row_tiles * bs;
+    int64_t want = (kTargetBlocks + base - 1) / base;  // splits wanted for occupancy
+    int64_t max_splits = (int64_t(max_kv) + kMinChunk - 1) / kMinChunk;
+    if (want > max_splits) want = max_splits;
+    if (want < 1) want = 1;
+    int64_t chunk = (max_kv + want - 1) / want;
+    chunk = (chunk + kKvTile - 1) / kKvTile * kKvTile;
+    p.chunk = chunk;
+    p.splits = (max_kv + chunk - 1) / chunk;
+    return p;
+  }
+  // Partial states: o [splits, total_q * H, d_latent] then lse [splits, total_q * H], float32.
+  size_t workspace_bytes(int32_t total_q, int32_t num_heads, int32_t d_latent) const {
+    size_t rows = size_t(total_q) * size_t(num_heads) * size_t(splits);
+    return rows * (size_t(d_latent) + 1) * sizeof(float);
+  }
+};
+
+kdt_status verify_attention_cpu(const VerifyAttentionArgs& a);
+#if defined(KDT_WITH_CUDA)
+kdt_status verify_attention_cuda(const VerifyAttentionArgs& a, void* stream, void* workspace,
+                                 size_t workspace_bytes);
+#endif
+
+}  // namespace kdt
