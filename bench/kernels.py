@@ -1,0 +1,296 @@
+"""Suite `kernels`: tree build, tree accept and verify attention, per backend, over a grid.
+
+Every case is validated against the reference (engine.ddtree, engine.mla) on the very buffers
+the timed call writes, then timed as a bare C-ABI call (bench/native_calls.py): CUDA events on
+the GPU, the monotonic clock on the CPU. Rates (formulas in each record):
+  tree build   nodes/s = bs * budget / t
+  tree accept  requests/s = bs / t
+  attention    bytes = (total_kv * (Dl + Dr) + total_q * H * (Dl + Dr)) * s       (cache + q read)
+                       + total_q * H * (Dl + 1) * 4 + total_q * W * 4             (out, lse, mask)
+               FLOPs = 2 * H * (Dl + Dr + Dl) * visible, visible = sum over query rows of the
+                       keys it sees (its prefix plus its ancestors and itself)
+               fraction of the run's measured ceilings: GB/s over the device copy,
+               TFLOP/s over the matmul (bf16 on CUDA, fp32 on the CPU).
+Grids: the issue's full grid on CUDA; a reduced attention grid on the CPU (the CPU backend
+computes in double precision and is a reference-speed backend, not a fast path).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from bench import format_table
+from bench.inputs import KIMI_K2, accept_target, attention_inputs, tree_inputs
+from bench.native_calls import (prepare_tree_accept, prepare_tree_build,
+                                prepare_verify_attention, to_numpy)
+from bench.timing import summarize, time_cpu, time_cuda
+from bench.validate import (ACCEPT_FIELDS, TREE_FIELDS, check_close, check_exact,
+                            sample_requests)
+
+NAME = "kernels"
+L = 15  # drafter block 16 -> 15 drafted depths (DDTREE.md section 1)
+# Attention tolerance: the kernels' own contract (tests/test_native_attention.py): 1e-5 of the
+# reference's magnitude for float32 and bfloat16 caches alike (the float64 reference is computed
+# on the stored, already-rounded inputs; every backend accumulates in float32 or wider).
+ATTENTION_TOL = 1e-5
+# Work allowed for the float64 reference per validated request (FLOPs); heads are subsampled
+# beyond it (heads are independent, so a head subset is an exact check of those heads).
+REF_FLOP_BUDGET = 2e9
+MEMORY_FRACTION = 0.4  # skip attention cases whose inputs exceed this share of free GPU memory
+
+
+def grids(device: str, quick: bool) -> dict:
+    full_tree = {"bs": [1, 4, 16, 64, 256], "budget": [15, 63, 255, 1023]}
+    if device == "cuda":
+        tree = {"bs": [1, 64], "budget": [15, 255]} if quick else full_tree
+        att = ({"bs": [1, 64], "prefix": [1024, 32768], "tree": [16, 64]} if quick else
+               {"bs": [1, 4, 16, 64, 256], "prefix": [1024, 4096, 16384, 32768], "tree": [16, 64]})
+    else:
+        tree = {"bs": [1, 16], "budget": [15, 255]} if quick else full_tree
+        att = ({"bs": [1], "prefix": [512], "tree": [16]} if quick else
+               {"bs": [1, 4], "prefix": [512, 1024], "tree": [16]})
+    return {"tree": tree, "attention": dict(att, dtype=["float32", "bfloat16"])}
+
+
+def _timer(device: str, quick: bool, flush_l2: bool):
+    if device == "cuda":
+        return lambda fn: time_cuda(fn, warmup=3, reps=100, flush_l2=flush_l2,
+                                    budget_s=0.1 if quick else 0.3)
+    return lambda fn: time_cpu(fn, warmup=1, reps=30, budget_s=0.05 if quick else 0.5)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _record(bench, device, case, validation, samples=None, rates=None, seed=None) -> dict:
+    rec = {"bench": bench, "backend": device, "case": case, "validation": validation,
+           "seed": seed, "samples": samples or []}
+    if samples:
+        rec["summary"] = summarize(samples)
+    if rates:
+        rec["rates"] = rates
+    return rec
+
+
+def _rate(value, unit, formula) -> dict:
+    return {"value": value, "unit": unit, "formula": formula}
+
+
+def _tree_and_accept(lib, device, bs, budget, rng, seed, timer) -> list:
+    """Build (validated, timed), then accept on the built tree (validated, timed)."""
+    from engine import ddtree
+
+    K = min(budget, 64)
+    case = {"bs": bs, "budget": budget, "L": L, "K": K}
+    inp = tree_inputs(rng, bs, L, K)
+    prep = prepare_tree_build(lib, device, inp, budget)
+    prep.run()
+    _sync(device)
+    rows = sample_requests(bs, budget)
+    ref = ddtree.build_tree(*(inp[k][rows] for k in ("top_logp", "top_ids")), budget,
+                            *(inp[k][rows] for k in ("root_ids", "seq_lens")))
+    v = check_exact(prep.outputs, ref, TREE_FIELDS, None if len(rows) == bs else rows)
+    out = []
+    if not v["ok"]:
+        return [_record("tree_build", device, case, v, seed=seed)]
+    s = timer(prep.run)
+    med = summarize(s)["median"]
+    out.append(_record("tree_build", device, case, v, s, {
+        "nodes_per_s": _rate(bs * budget / med, "nodes/s", "bs * budget / median"),
+        "us_per_request": _rate(med / bs * 1e6, "us", "median / bs"),
+    }, seed))
+
+    tree = ddtree.Tree(**{f: to_numpy(prep.outputs[f]).view(np.uint32) if f == "visibility"
+                          else to_numpy(prep.outputs[f]) for f in TREE_FIELDS})
+    target = accept_target(rng, tree)
+    acc = prepare_tree_accept(lib, device, tree, target)
+    acc.run()
+    _sync(device)
+    ref_acc = ddtree.accept_greedy(tree, target)
+    v = check_exact(acc.outputs, ref_acc, ACCEPT_FIELDS)
+    v["mean_accept_len"] = float(np.mean(ref_acc.accept_len))
+    case_a = dict(case, n=budget + 1)
+    if not v["ok"]:
+        out.append(_record("tree_accept", device, case_a, v, seed=seed))
+        return out
+    s = timer(acc.run)
+    med = summarize(s)["median"]
+    out.append(_record("tree_accept", device, case_a, v, s, {
+        "requests_per_s": _rate(bs / med, "requests/s", "bs / median")}, seed))
+    return out
+
+
+def attention_work(bs, prefix, tree, dtype, visible, words, heads=KIMI_K2["heads"],
+                   d_latent=KIMI_K2["d_latent"], d_rope=KIMI_K2["d_rope"]) -> dict:
+    """Bytes moved and FLOPs of one verify-attention call (formulas in the module docstring)."""
+    s = {"float32": 4, "bfloat16": 2}[dtype]
+    total_q, total_kv = bs * tree, bs * (prefix + tree)
+    bytes_ = ((total_kv * (d_latent + d_rope) + total_q * heads * (d_latent + d_rope)) * s
+              + total_q * heads * (d_latent + 1) * 4 + total_q * words * 4)
+    flops = 2 * heads * (d_latent + d_rope + d_latent) * visible
+    return {"bytes": int(bytes_), "flops": int(flops)}
+
+
+def _attention_reference(a, rows_req, prefix, tree, heads_sub):
+    """float64 reference out/lse for requests `rows_req`, heads `heads_sub` (one request each)."""
+    from engine import mla
+
+    outs, lses = [], []
+    for b in rows_req:
+        q0, k0 = b * tree, b * (prefix + tree)
+        q_lat = to_numpy(a["q_lat"][q0:q0 + tree, heads_sub]).astype(np.float64)
+        q_pe = to_numpy(a["q_pe"][q0:q0 + tree, heads_sub]).astype(np.float64)
+        kv = to_numpy(a["kv_cache"][k0:k0 + prefix + tree]).astype(np.float64)
+        vis = a["visibility_np"][q0:q0 + tree]
+        o, l = mla.verify_attention_ragged(q_lat, q_pe, kv, np.array([0, tree], np.int32),
+                                           np.array([0, prefix + tree], np.int32), vis,
+                                           a["softmax_scale"])
+        outs.append(np.asarray(o))
+        lses.append(np.asarray(l))
+    return np.concatenate(outs), np.concatenate(lses)
+
+
+def _attention_case(lib, device, bs, prefix, tree, dtype, seed, timer, ceil) -> dict:
+    case = {"bs": bs, "prefix": prefix, "tree": tree, "dtype": dtype, "heads": KIMI_K2["heads"],
+            "d_latent": KIMI_K2["d_latent"], "d_rope": KIMI_K2["d_rope"]}
+    a = attention_inputs(seed, bs, prefix, tree, dtype, device)
+    prep = prepare_verify_attention(lib, device, a, bs, tree, prefix)
+    prep.run()
+    _sync(device)
+    rows_req = [0] if bs == 1 else [0, bs - 1]
+    per_head = 2.0 * tree * (prefix + tree) * (2 * KIMI_K2["d_latent"] + KIMI_K2["d_rope"])
+    nh = int(max(1, min(KIMI_K2["heads"], REF_FLOP_BUDGET // per_head)))
+    heads_sub = list(range(nh)) if nh == KIMI_K2["heads"] else sorted(
+        set(np.linspace(0, KIMI_K2["heads"] - 1, nh).astype(int).tolist()))
+    ref_out, ref_lse = _attention_reference(a, rows_req, prefix, tree, heads_sub)
+    q_rows = np.concatenate([np.arange(b * tree, (b + 1) * tree) for b in rows_req])
+    got_out = to_numpy(prep.outputs["out"][q_rows][:, heads_sub])
+    got_lse = to_numpy(prep.outputs["lse"][q_rows][:, heads_sub])
+    checked = (f"requests {rows_req}, heads "
+               f"{'all' if nh == KIMI_K2['heads'] else heads_sub} of {KIMI_K2['heads']}")
+    v = check_close({"out": (got_out, ref_out), "lse": (got_lse, ref_lse)}, ATTENTION_TOL, checked)
+    if not v["ok"]:
+        return _record("verify_attention", device, case, v, seed=seed)
+    s = timer(prep.run)
+    med = summarize(s)["median"]
+    w = attention_work(bs, prefix, tree, dtype, a["visible"], a["words"])
+    gbs, tfs = w["bytes"] / med / 1e9, w["flops"] / med / 1e12
+    rates = {
+        "GB_per_s": _rate(gbs, "GB/s", "bytes / median; " + w_formula("bytes")),
+        "TFLOP_per_s": _rate(tfs, "TFLOP/s", "flops / median; " + w_formula("flops")),
+        "frac_copy_ceiling": _rate(gbs / ceil["copy"]["value"], "fraction",
+                                   "GB_per_s / ceilings.copy (device copy, read + write)"),
+        "frac_matmul_ceiling": _rate(tfs / ceil["matmul"]["value"], "fraction",
+                                     f"TFLOP_per_s / ceilings.matmul ({ceil['matmul']['params']['dtype']})"),
+    }
+    rec = _record("verify_attention", device, case, v, s, rates, seed)
+    rec["work"] = w
+    return rec
+
+
+def w_formula(kind: str) -> str:
+    return {"bytes": "(total_kv*(Dl+Dr) + total_q*H*(Dl+Dr))*s + total_q*H*(Dl+1)*4 + total_q*W*4",
+            "flops": "2*H*(2*Dl+Dr)*visible"}[kind]
+
+
+def _fits(device, bs, prefix, tree, dtype) -> str | None:
+    if device != "cuda":
+        return None
+    import torch
+
+    s = {"float32": 4, "bfloat16": 2}[dtype]
+    need = (bs * (prefix + tree) * 576 + bs * tree * 64 * 576) * s + bs * tree * 64 * 513 * 4
+    free, _ = torch.cuda.mem_get_info()
+    if need > MEMORY_FRACTION * free:
+        return f"needs {need / 2**30:.1f} GiB, over {MEMORY_FRACTION:.0%} of {free / 2**30:.1f} GiB free"
+    return None
+
+
+def _guarded(fn, bench, device, case, seed):
+    """Run one case; an exception becomes a failed record (the others still run)."""
+    try:
+        r = fn()
+        return r if isinstance(r, list) else [r]
+    except Exception as e:
+        return [_record(bench, device, case, {"ok": False, "error": f"{type(e).__name__}: {e}"},
+                        seed=seed)]
+
+
+def run(ctx) -> dict:
+    lib = ctx.require_library("suite kernels")
+    root = np.random.SeedSequence()
+    results, params = [], {"L": L, "K": "min(budget, 64)", "attention_shape": "Kimi K2",
+                           "heads": KIMI_K2["heads"], "d_latent": KIMI_K2["d_latent"],
+                           "d_rope": KIMI_K2["d_rope"], "attention_tol": ATTENTION_TOL,
+                           "seed_entropy": str(root.entropy), "grids": {}, "timing": {}}
+    for device in ctx.devices:
+        if device == "cuda" and not lib.has_cuda:
+            results.append(_record("all", device, {}, {"ok": False, "error":
+                                   f"{lib.path} is a CPU-only build: no CUDA backend to time"}))
+            continue
+        g = grids(device, ctx.quick)
+        params["grids"][device] = g
+        params["timing"][device] = (
+            "CUDA events, bare kdt_* calls on torch's stream; tree/accept without L2 flush "
+            "(their inputs come hot from the drafter), attention with a 2x-L2 flush per rep"
+            if device == "cuda" else
+            "monotonic clock around bare kdt_* calls (CPU backend)"
+            + ("; reduced attention grid (--quick: seconds)" if ctx.quick else
+               "; reduced attention grid (the CPU backend is the double-precision reference "
+               "speed path; the full grid runs on CUDA)"))
+        ceil = ctx.ceilings(device)
+        tree_timer = _timer(device, ctx.quick, flush_l2=False)
+        att_timer = _timer(device, ctx.quick, flush_l2=True)
+        for bs in g["tree"]["bs"]:
+            for budget in g["tree"]["budget"]:
+                seed = int(root.spawn(1)[0].generate_state(1)[0])
+                rng = np.random.default_rng(seed)
+                results += _guarded(lambda: _tree_and_accept(lib, device, bs, budget, rng, seed,
+                                                             tree_timer),
+                                    "tree_build", device, {"bs": bs, "budget": budget}, seed)
+        ga = g["attention"]
+        for dtype in ga["dtype"]:
+            for bs in ga["bs"]:
+                for prefix in ga["prefix"]:
+                    for tree in ga["tree"]:
+                        case = {"bs": bs, "prefix": prefix, "tree": tree, "dtype": dtype}
+                        seed = int(root.spawn(1)[0].generate_state(1)[0])
+                        why = _fits(device, bs, prefix, tree, dtype)
+                        if why:
+                            params.setdefault("skipped", []).append(dict(case, backend=device, why=why))
+                            continue
+                        results += _guarded(lambda: _attention_case(
+                            lib, device, bs, prefix, tree, dtype, seed, att_timer, ceil),
+                            "verify_attention", device, case, seed)
+                        if device == "cuda":
+                            import torch
+
+                            torch.cuda.empty_cache()
+    return {"params": params, "results": results, "table": table(results)}
+
+
+def table(results) -> str:
+    rows = []
+    for r in results:
+        c, s = r.get("case", {}), r.get("summary")
+        shape = (f"bs={c.get('bs')} B={c.get('budget')}" if "budget" in c else
+                 f"bs={c.get('bs')} P={c.get('prefix')} T={c.get('tree')} {c.get('dtype')}"
+                 if "prefix" in c else "-")
+        rates = r.get("rates", {})
+        if r["bench"] == "verify_attention" and rates:
+            rate = (f"{rates['TFLOP_per_s']['value']:.2f} TF/s ({rates['frac_matmul_ceiling']['value']:.0%} mm), "
+                    f"{rates['GB_per_s']['value']:.0f} GB/s ({rates['frac_copy_ceiling']['value']:.0%} copy)")
+        elif "nodes_per_s" in rates:
+            rate = f"{rates['nodes_per_s']['value'] / 1e6:.2f} Mnodes/s"
+        elif "requests_per_s" in rates:
+            rate = f"{rates['requests_per_s']['value'] / 1e6:.3f} Mreq/s"
+        else:
+            rate = "-"
+        status = "ok" if r["validation"].get("ok") else "INVALID: " + r["validation"].get("error", "")[:60]
+        rows.append([r["bench"], r["backend"], shape, s["median"] * 1e6 if s else None,
+                     s["p10"] * 1e6 if s else None, s["p90"] * 1e6 if s else None, rate, status])
+    return format_table(["kernel", "dev", "case", "median us", "p10 us", "p90 us", "rate", "check"], rows)
