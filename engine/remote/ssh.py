@@ -155,6 +155,27 @@ class SshTransport(Transport):
             self._sftp = None
         self.conn.close()
 
+    def ssh_command(self) -> tuple[list[str], str]:
+        """(OpenSSH argv, target) reaching the same host with the same keys and host-key file, for
+        tools that spawn ssh themselves (rsync -e). Strict checking: this transport has already
+        verified (or, with accept-new, recorded) the host key in that file."""
+        h = self.host
+        argv = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
+                "-o", f"UserKnownHostsFile={self.known_hosts}",
+                "-o", f"ConnectTimeout={int(h.timeouts.connect)}", "-o", f"ServerAliveInterval={KEEPALIVE_S}"]
+        config_path = os.environ.get("KDTREE_SSH_CONFIG")
+        if config_path:
+            argv += ["-F", config_path]
+        if h.identity_file:
+            argv += ["-i", str(self._local_path(h.identity_file)), "-o", "IdentitiesOnly=yes"]
+        if h.user:
+            argv += ["-l", h.user]
+        if h.hostname and not h.ssh_config_alias or h.port != 22:
+            argv += ["-p", str(h.port)]
+        if h.hostname and h.ssh_config_alias:
+            argv += ["-o", f"HostName={h.hostname}"]
+        return argv, h.ssh_config_alias or h.hostname
+
     # -- commands -----------------------------------------------------------------------------
     def run(self, argv_or_script, *, cwd=None, env=None, timeout=None, stdin=None, on_output=None):
         command = command_text(argv_or_script)
