@@ -1,0 +1,203 @@
+"""Suite `tree_build`: the head-to-head at identical inputs, per (bs, budget).
+
+Backends:
+  native-cuda   kdt_tree_build's CUDA kernel, a bare C-ABI call timed with CUDA events (inputs
+                and outputs stay on the device; no L2 flush: a real step's drafter has just
+                written the inputs, so they are L2-hot)
+  native-cpu    the library's CPU backend, bare call, monotonic clock
+  sglang-<dev>  engine.baselines.sglang_cpu.build_tree on torch tensors on <dev> (cuda when a
+                GPU is present, else cpu), timed as SGLang runs it: its device-to-host copies,
+                Python heap loop, host-to-device copies and syncs all inside the wall-clock
+                sample, which ends with torch.cuda.synchronize() on a GPU
+Every backend's output is checked against engine.ddtree.build_tree (the reference) before it is
+timed. Speedup of a native backend = median(sglang) / median(native) at the same (bs, budget).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from bench import format_table
+from bench.inputs import tree_inputs
+from bench.native_calls import prepare_tree_build
+from bench.timing import summarize, time_cpu, time_cuda
+from bench.validate import TREE_FIELDS, check_exact, sample_requests
+
+NAME = "tree_build"
+L = 15
+# Names the SGLang-style output may use for our arrays (SGLang's own names second).
+_ALIASES = {
+    "tokens": ("tokens", "draft_tokens"),
+    "positions": ("positions",),
+    "first_child": ("first_child", "retrive_next_token"),
+    "next_sibling": ("next_sibling", "retrive_next_sibling"),
+    "parents": ("parents",),
+    "depths": ("depths",),
+}
+
+
+def grid(quick: bool) -> dict:
+    if quick:
+        return {"bs": [1, 64], "budget": [15, 255]}
+    return {"bs": [1, 4, 16, 64, 256], "budget": [15, 63, 255, 1023]}
+
+
+def _sglang_fields(out, ref) -> dict:
+    """{our name: numpy array shaped like the reference} for the fields the baseline returns."""
+    from bench.native_calls import to_numpy
+
+    found = {}
+    for ours, names in _ALIASES.items():
+        for nm in names:
+            v = out.get(nm) if isinstance(out, dict) else getattr(out, nm, None)
+            if v is None:
+                continue
+            a = to_numpy(v)
+            want = np.asarray(getattr(ref, ours))
+            if a.size == want.size:
+                found[ours] = a.reshape(want.shape).astype(want.dtype)
+            break
+    return found
+
+
+def _check_sglang(out, ref, rows) -> dict:
+    found = _sglang_fields(out, ref)
+    missing = [f for f in ("tokens", "first_child", "next_sibling") if f not in found]
+    if missing:
+        have = sorted(out) if isinstance(out, dict) else sorted(
+            k for k in dir(out) if not k.startswith("_"))
+        return {"ok": False, "error": f"SGLang-style output lacks {missing} (or its shape differs "
+                                      f"from the reference's); it has {have}"}
+    sub = {k: v[rows] for k, v in found.items()}
+    v = check_exact(sub, ref, sorted(found), None, where="sglang: ")
+    if v["ok"]:
+        v["checked"] = f"requests {list(rows)}"
+    return v
+
+
+def _sglang_runner(device: str, inp: dict, budget: int):
+    """() -> output of one SGLang-style build on torch tensors on `device`, synced at the end."""
+    import torch
+
+    from engine.baselines import sglang_cpu
+
+    t = {k: torch.from_numpy(np.ascontiguousarray(v)).to(device) for k, v in inp.items()}
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def call():
+        out = sglang_cpu.build_tree(t["top_logp"], t["top_ids"], budget, t["root_ids"],
+                                    t["seq_lens"], device=device)
+        sync()
+        return out
+
+    return call
+
+
+def _time_slow(fn, first_call_s: float, quick: bool) -> list:
+    """Wall-clock samples of a path that syncs by design; at least 3, fewer warm-ups when slow."""
+    return time_cpu(fn, warmup=0 if first_call_s > 0.5 else 1, reps=50,
+                    budget_s=1.0 if quick else 3.0, min_reps=3)
+
+
+def _rec(backend, case, v, samples=None, seed=None, timing=None) -> dict:
+    r = {"bench": "tree_build", "backend": backend, "case": case, "validation": v,
+         "seed": seed, "samples": samples or [], "timing": timing}
+    if samples:
+        r["summary"] = summarize(samples)
+        med = r["summary"]["median"]
+        r["rates"] = {"nodes_per_s": {"value": case["bs"] * case["budget"] / med,
+                                      "unit": "nodes/s", "formula": "bs * budget / median"}}
+    return r
+
+
+def _case(lib, devices, bs, budget, seed, quick) -> list:
+    from engine import ddtree
+
+    rng = np.random.default_rng(seed)
+    K = min(budget, 64)
+    case = {"bs": bs, "budget": budget, "L": L, "K": K}
+    inp = tree_inputs(rng, bs, L, K)
+    rows = sample_requests(bs, budget)
+    ref = ddtree.build_tree(*(inp[k][rows] for k in ("top_logp", "top_ids")), budget,
+                            *(inp[k][rows] for k in ("root_ids", "seq_lens")))
+    recs = []
+    for dev in devices:
+        name = f"native-{dev}"
+        try:
+            prep = prepare_tree_build(lib, dev, inp, budget)
+            prep.run()
+            if dev == "cuda":
+                import torch
+
+                torch.cuda.synchronize()
+            v = check_exact(prep.outputs, ref, TREE_FIELDS, None if len(rows) == bs else rows)
+            if not v["ok"]:
+                recs.append(_rec(name, case, v, seed=seed))
+                continue
+            if dev == "cuda":
+                s = time_cuda(prep.run, warmup=5, reps=200, flush_l2=False, budget_s=0.2)
+                timing = "CUDA events around the bare kernel call"
+            else:
+                s = time_cpu(prep.run, warmup=2, reps=200, budget_s=0.1 if quick else 0.5)
+                timing = "monotonic clock around the bare CPU-backend call"
+            recs.append(_rec(name, case, v, s, seed, timing))
+        except Exception as e:
+            recs.append(_rec(name, case, {"ok": False, "error": f"{type(e).__name__}: {e}"}, seed=seed))
+    sg_dev = "cuda" if "cuda" in devices else "cpu"
+    name = f"sglang-{sg_dev}"
+    try:
+        call = _sglang_runner(sg_dev, inp, budget)
+        t0 = time.perf_counter()
+        out = call()
+        first = time.perf_counter() - t0
+        v = _check_sglang(out, ref, rows)
+        if v["ok"]:
+            s = _time_slow(call, first, quick)
+            recs.append(_rec(name, case, v, s, seed,
+                             "monotonic clock around the whole call, its syncs and copies included"
+                             + (", ending with torch.cuda.synchronize()" if sg_dev == "cuda" else "")))
+        else:
+            recs.append(_rec(name, case, v, seed=seed))
+    except Exception as e:
+        recs.append(_rec(name, case, {"ok": False, "error": f"{type(e).__name__}: {e}"}, seed=seed))
+    base = next((r for r in recs if r["backend"] == name and r.get("summary")), None)
+    for r in recs:
+        if base is not None and r is not base and r.get("summary"):
+            r["rates"]["speedup_vs_sglang"] = {
+                "value": base["summary"]["median"] / r["summary"]["median"], "unit": "x",
+                "formula": f"median({name}) / median({r['backend']})"}
+    return recs
+
+
+def run(ctx) -> dict:
+    lib = ctx.require_library("suite tree_build")
+    devices = [d for d in ctx.devices if d == "cpu" or lib.has_cuda]
+    root = np.random.SeedSequence()
+    g = grid(ctx.quick)
+    results = []
+    for bs in g["bs"]:
+        for budget in g["budget"]:
+            seed = int(root.spawn(1)[0].generate_state(1)[0])
+            results += _case(lib, devices, bs, budget, seed, ctx.quick)
+    params = {"L": L, "K": "min(budget, 64)", "grid": g, "devices": devices,
+              "sglang_device": "cuda" if "cuda" in devices else "cpu",
+              "seed_entropy": str(root.entropy),
+              "speedup": "median(sglang path) / median(native backend), same inputs"}
+    if "cuda" in ctx.devices and "cuda" not in devices:
+        params["note"] = f"{lib.path} is a CPU-only build: no native-cuda backend timed"
+    return {"params": params, "results": results, "table": table(results)}
+
+
+def table(results) -> str:
+    rows = []
+    for r in results:
+        c, s = r["case"], r.get("summary")
+        sp = r.get("rates", {}).get("speedup_vs_sglang")
+        rows.append([r["backend"], c["bs"], c["budget"], s["median"] * 1e6 if s else None,
+                     s["p10"] * 1e6 if s else None, s["p90"] * 1e6 if s else None,
+                     f"{sp['value']:.1f}x" if sp else "-",
+                     "ok" if r["validation"].get("ok") else "INVALID: " + r["validation"].get("error", "")[:60]])
+    return format_table(["backend", "bs", "budget", "median us", "p10 us", "p90 us",
+                         "vs sglang", "check"], rows)
