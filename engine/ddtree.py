@@ -27,7 +27,7 @@ MAX_BUDGET = 1024
 ACCEPT_OK = 0
 ACCEPT_OUT_OF_RANGE = 1  # a followed link (first_child / next_sibling) outside [1, num_nodes)
 ACCEPT_CYCLE = 2  # a child scan visited more than n links, or the walk more than n nodes
-ACCEPT_DUPLICATE = 3  # a second child of the current node carries the matched token
+ACCEPT_DUPLICATE = 3  # a second, different child of the current node has the matched token
 
 
 @dataclass
@@ -216,7 +216,8 @@ def accept_greedy(tree, target_argmax) -> Accept:
         while c != -1:                         # scan the whole child list, in list order
           c outside [1, num_nodes)  -> status 1, stop
           visited += 1; visited > n -> status 2, stop
-          tokens[c] == want: if match is set -> status 3, stop; else match = c
+          tokens[c] == want: match unset -> match = c; else c != match -> status 3, stop
+                                 (a revisit of the matched node itself is a cycle, not a duplicate)
           c = next_sibling[c]
         no match -> stop (status 0)
         len(accepted) == n -> status 2, stop   # the walk would exceed n nodes
@@ -273,9 +274,10 @@ def _walk(tokens, first_child, next_sibling, num_nodes, target, n):
             if visited > n:
                 return accepted, ACCEPT_CYCLE
             if tokens[c] == want:
-                if match != -1:
+                if match == -1:
+                    match = c
+                elif c != match:  # a revisit of `match` is left to the cycle bound
                     return accepted, ACCEPT_DUPLICATE
-                match = c
             c = next_sibling[c]
         if match == -1:
             return accepted, ACCEPT_OK

@@ -137,6 +137,8 @@ def test_accept_out_of_range_link():
 def test_accept_sibling_cycle_terminates():
     tree = _T([0, 5, 6], [1, -1, -1], [-1, 2, 1])  # siblings 1 -> 2 -> 1 -> ...
     assert _accept(tree, [9, 0, 0]) == ([0], ddtree.ACCEPT_CYCLE, 9)
+    # Meeting the matched node again on the cycle is a cycle, not a duplicate.
+    assert _accept(tree, [5, 0, 0]) == ([0], ddtree.ACCEPT_CYCLE, 5)
 
 
 def test_accept_walk_cycle_terminates():
