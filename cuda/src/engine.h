@@ -34,7 +34,8 @@ struct Batch {
   int vis_words = 0;
   int max_tree = 0;            // max over requests of n_b
   int n_capture = 0;           // hidden states to return per token
-  const int32_t* capture;      // [n_capture] k = residual stream after k layers (0 = embeddings)
+  const int32_t* capture;      // [n_capture] k = residual after k layers (0 = embeddings,
+                               // layers + 1 = the final norm's output)
   float* logits;               // [total, V] or null
   float* hidden;               // [total, n_capture, D] or null
 };

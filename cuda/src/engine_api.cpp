@@ -144,9 +144,9 @@ kdt_status kdt_engine_forward(kdt_engine* engine, int32_t n_req, const int32_t* 
   KDT_CHECK_ARG(n_capture == 0 || (capture_layers && hidden), fn,
                 "n_capture %d needs capture_layers and hidden", int(n_capture));
   for (int i = 0; i < n_capture; ++i)
-    KDT_CHECK_ARG(capture_layers[i] >= 0 && capture_layers[i] <= c.layers, fn,
-                  "capture_layers[%d] = %d is outside [0, num_hidden_layers %d]", i,
-                  int(capture_layers[i]), c.layers);
+    KDT_CHECK_ARG(capture_layers[i] >= 0 && capture_layers[i] <= c.layers + 1, fn,
+                  "capture_layers[%d] = %d is outside [0, num_hidden_layers + 1 = %d]", i,
+                  int(capture_layers[i]), c.layers + 1);
   KDT_CHECK_ARG(q_indptr[0] == 0, fn, "q_indptr[0] = %d, expected 0", int(q_indptr[0]));
   std::vector<int32_t> prefix(n_req);
   std::vector<char> seen(e.max_slots, 0);

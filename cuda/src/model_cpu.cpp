@@ -45,18 +45,17 @@ void rmsnorm(const float* x, const float* w, float eps, int n, float* y) {
   for (int i = 0; i < n; ++i) y[i] = w[i] * (x[i] * r);
 }
 
-// Rotary embedding of one head's rope part x [R] (interleaved pairs (2i, 2i+1), as the
-// DeepSeek-V3 checkpoints store them) at table row `pos`. Output is de-interleaved the way HF
-// DeepSeek-V3 does it: out[i] and out[R/2 + i] hold pair i. Queries and keys use the same
-// layout, so their dot products equal the interleaved form's.
+// Rotary embedding of one head's rope part x [R] at table row `pos`: interleaved pairs
+// (x[2i], x[2i+1]) rotated by angle i, result kept interleaved (docs/MODEL.md; the cache
+// stores k_pe in this layout).
 void rope(const float* x, const HostModel& m, int64_t pos, float* out) {
   const int half = m.cfg.rope / 2;
   const float* c = m.cos_table.data() + size_t(pos) * half;
   const float* s = m.sin_table.data() + size_t(pos) * half;
   for (int i = 0; i < half; ++i) {
     float a = x[2 * i], b = x[2 * i + 1];
-    out[i] = a * c[i] - b * s[i];
-    out[half + i] = b * c[i] + a * s[i];
+    out[2 * i] = a * c[i] - b * s[i];
+    out[2 * i + 1] = a * s[i] + b * c[i];
   }
 }
 
@@ -108,7 +107,7 @@ void route(const Config& c, const float* logits, const float* bias, int* idx, fl
     wsum += score[best];
   }
   for (int r = 0; r < c.top_k; ++r) {
-    if (c.norm_topk) weight[r] /= (wsum + 1e-20f);
+    if (c.top_k > 1 && c.norm_topk) weight[r] /= (wsum + 1e-20f);
     weight[r] *= float(c.routed_scale);
   }
 }
@@ -251,10 +250,10 @@ kdt_status forward_cpu(Engine& e, const Batch& b) {
     capture(l + 1);
   }
 
-  if (b.logits) {
-    for (int t = 0; t < T; ++t) rmsnorm(&x[size_t(t) * D], m.final_norm, eps, D, &h[size_t(t) * D]);
-    linear(m.lm_head, h.data(), b.logits, T, D, c.vocab);
-  }
+  // Final norm (its output is capture index layers + 1: what the drafters read) and LM head.
+  for (int t = 0; t < T; ++t) rmsnorm(&x[size_t(t) * D], m.final_norm, eps, D, &x[size_t(t) * D]);
+  capture(c.layers + 1);
+  if (b.logits) linear(m.lm_head, x.data(), b.logits, T, D, c.vocab);
   return KDT_OK;
 }
 

@@ -167,7 +167,8 @@ KDT_API kdt_status kdt_verify_attention(kdt_backend backend, void* stream, kdt_d
  *   (t = q_indptr[b] + i) is set; the self bit must be set.
  *     tokens, positions [total] int64; visibility [total, vis_words] uint32;
  *     capture_layers [n_capture] int32: k = residual stream after k layers (0 = embeddings,
- *       num_hidden_layers = before the final norm);
+ *       num_hidden_layers = before the final norm, num_hidden_layers + 1 = the final norm's
+ *       output, which the LM head and the drafters read);
  *     logits [total, vocab] float32 (may be NULL); hidden [total, n_capture, hidden] float32.
  *   Prefill is a forward whose visibility is lower-triangular; an AR step a one-node tree.
  * kdt_engine_commit: keeps uncommitted rows P + keep[0..n_keep) as rows P .. P + n_keep - 1
