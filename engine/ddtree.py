@@ -25,9 +25,9 @@ MAX_BUDGET = 1024
 
 # Accept status codes: the same numbers as `kdt_accept_status` in cuda/include/kdtree/kdtree.h.
 ACCEPT_OK = 0
-ACCEPT_OUT_OF_RANGE = 1  # a followed link (first_child / next_sibling) outside [1, num_nodes)
+ACCEPT_OUT_OF_RANGE = 1  # a followed link outside [1, num_nodes), or num_nodes outside [1, n]
 ACCEPT_CYCLE = 2  # a child scan visited more than n links, or the walk more than n nodes
-ACCEPT_DUPLICATE = 3  # a second, different child of the current node has the matched token
+ACCEPT_DUPLICATE = 3  # the scan met the matched token a second time
 
 
 @dataclass
@@ -206,7 +206,8 @@ def accept_greedy(tree, target_argmax) -> Accept:
     """Bounded greedy accept walk (DDTREE.md section 4) for every request.
 
     tree: any object with `tokens`, `first_child`, `next_sibling` (integer [bs, n]) and
-    optionally `num_nodes` (integer [bs], each in [1, n]; n when absent).
+    optionally `num_nodes` (integer [bs]; n when absent; outside [1, n] it is a defect: status 1,
+    only the root accepted).
     target_argmax: int64 [bs, n], the target's greedy token at each node.
 
     The walk, exactly (the native backends implement the same steps):
@@ -216,8 +217,7 @@ def accept_greedy(tree, target_argmax) -> Accept:
         while c != -1:                         # scan the whole child list, in list order
           c outside [1, num_nodes)  -> status 1, stop
           visited += 1; visited > n -> status 2, stop
-          tokens[c] == want: match unset -> match = c; else c != match -> status 3, stop
-                                 (a revisit of the matched node itself is a cycle, not a duplicate)
+          tokens[c] == want: if match is set -> status 3, stop; else match = c
           c = next_sibling[c]
         no match -> stop (status 0)
         len(accepted) == n -> status 2, stop   # the walk would exceed n nodes
@@ -235,10 +235,6 @@ def accept_greedy(tree, target_argmax) -> Accept:
         num_nodes = np.full(bs, n, np.int64)
     else:
         num_nodes = _tree_array(tree, "num_nodes", (bs,))
-        bad = np.argwhere((num_nodes < 1) | (num_nodes > n))
-        if len(bad):
-            b = int(bad[0][0])
-            raise ValueError(f"tree.num_nodes: {num_nodes[b]} at [{b}] is outside [1, {n}]")
     _check_array("target_argmax", target_argmax, np.int64, 2)
     if target_argmax.shape != (bs, n):
         raise ValueError(f"target_argmax: shape {target_argmax.shape} != {(bs, n)} (tree)")
@@ -262,6 +258,8 @@ def _walk(tokens, first_child, next_sibling, num_nodes, target, n):
     """One request's walk (see accept_greedy). Returns (accepted node indices, status)."""
     accepted = [0]
     cur = 0
+    if not 1 <= num_nodes <= n:
+        return accepted, ACCEPT_OUT_OF_RANGE
     while True:
         want = target[cur]
         match = -1
@@ -274,10 +272,11 @@ def _walk(tokens, first_child, next_sibling, num_nodes, target, n):
             if visited > n:
                 return accepted, ACCEPT_CYCLE
             if tokens[c] == want:
-                if match == -1:
-                    match = c
-                elif c != match:  # a revisit of `match` is left to the cycle bound
+                # Any second match is a duplicate, also a revisit of `match` on a cycle (the
+                # native core in cuda/src/tree_accept_core.h counts it the same way).
+                if match != -1:
                     return accepted, ACCEPT_DUPLICATE
+                match = c
             c = next_sibling[c]
         if match == -1:
             return accepted, ACCEPT_OK

@@ -143,7 +143,7 @@ def malformed_trees(draw):
     link = st.one_of(st.integers(1, max(1, n - 1)), st.just(-1), st.integers(-2, n + 1))
     links = st.lists(link, min_size=n, max_size=n)
     small = st.lists(st.integers(0, 2), min_size=n, max_size=n)
-    return (n, draw(small), draw(links), draw(links), draw(st.integers(1, n)), draw(small))
+    return (n, draw(small), draw(links), draw(links), draw(st.integers(-1, n + 1)), draw(small))
 
 
 @SETTINGS
@@ -164,6 +164,9 @@ def test_malformed_trees_terminate_with_a_status(args):
     path = acc.accept_index[0, :k].tolist()
     assert 1 <= k <= n and path[0] == 0 and (acc.accept_index[0, k:] == -1).all()
     assert acc.bonus[0] == target[path[-1]]
+    if not 1 <= num_nodes <= n:
+        assert status == ddtree.ACCEPT_OUT_OF_RANGE and k == 1
+        return
 
     def child_list(p, limit):
         """Links followed from p's first child, at most `limit` of them, as raw values."""
@@ -180,7 +183,7 @@ def test_malformed_trees_terminate_with_a_status(args):
     last = path[-1]
     links = child_list(last, n + 1)
     in_range = [c for c in links if 1 <= c < num_nodes]
-    matched = {c for c in in_range[:n] if tokens[c] == target[last]}  # distinct nodes
+    matched = [c for c in in_range[:n + 1] if tokens[c] == target[last]]  # with revisits
     if status == ddtree.ACCEPT_OK:
         assert len(links) <= n and len(in_range) == len(links) and not matched
     elif status == ddtree.ACCEPT_OUT_OF_RANGE:
