@@ -57,8 +57,13 @@ def _exact_u_cdf(n1: int, n2: int) -> np.ndarray:
     return c
 
 
-def mann_whitney_u(x, y) -> tuple:
-    """(U of x, two-sided p) for H0: x and y come from the same distribution."""
+def mann_whitney_u(x, y, exact: bool | None = None) -> tuple:
+    """(U of x, two-sided p) for H0: x and y come from the same distribution.
+
+    exact: None picks the exact distribution when there are no ties and n1 + n2 <= 60, else the
+    normal approximation (tie-corrected variance, continuity correction); True / False force
+    one (True with ties is an error: the exact counts assume distinct values).
+    """
     x = np.asarray(x, dtype=np.float64)
     y = np.asarray(y, dtype=np.float64)
     n1, n2 = x.size, y.size
@@ -81,7 +86,12 @@ def mann_whitney_u(x, y) -> tuple:
         i = j + 1
     u1 = float(ranks[:n1].sum() - n1 * (n1 + 1) / 2.0)
     has_ties = tie_term > 0
-    if not has_ties and n1 + n2 <= 60:
+    if exact and (has_ties or n1 + n2 > 60):
+        raise ValueError(f"mann_whitney_u: exact=True needs distinct values and n1 + n2 <= 60 "
+                         f"(ties: {has_ties}, n1 + n2 = {n1 + n2})")
+    if exact is None:
+        exact = not has_ties and n1 + n2 <= 60
+    if exact:
         counts = _exact_u_cdf(n1, n2).astype(np.float64)
         total = counts.sum()
         k = int(round(u1))

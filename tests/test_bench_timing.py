@@ -1,0 +1,71 @@
+"""bench.timing: summaries against numpy, call counts and budgets of the timers (no timed
+assertions: the clock's values are not checked, only how the helpers use it)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bench import timing
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.floats(min_value=1e-9, max_value=10.0, allow_nan=False), min_size=1, max_size=60))
+def test_summarize_matches_numpy(samples):
+    s = timing.summarize(samples)
+    x = np.asarray(samples)
+    assert s["n"] == len(samples)
+    assert s["min"] == x.min()
+    assert s["median"] == pytest.approx(np.median(x), rel=1e-12)
+    assert s["p10"] == pytest.approx(np.percentile(x, 10), rel=1e-12)
+    assert s["p90"] == pytest.approx(np.percentile(x, 90), rel=1e-12)
+    assert s["min"] <= s["p10"] <= s["median"] <= s["p90"] <= x.max()
+
+
+@pytest.mark.parametrize("bad", [[], [float("nan")], [1.0, float("inf")]])
+def test_summarize_rejects_bad_samples(bad):
+    with pytest.raises(ValueError, match="summarize"):
+        timing.summarize(bad)
+
+
+def test_time_cpu_calls_warmup_plus_reps():
+    calls = []
+    s = timing.time_cpu(lambda: calls.append(1), warmup=3, reps=7)
+    assert len(calls) == 10 and len(s) == 7
+    assert all(v >= 0 for v in s)
+
+
+def test_time_cpu_budget_stops_early_but_keeps_min_reps(monkeypatch):
+    # A fake clock that advances 1 s per reading: every call "takes" 1 s.
+    t = iter(range(10_000))
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: float(next(t)))
+    s = timing.time_cpu(lambda: None, warmup=0, reps=100, budget_s=2.5, min_reps=5)
+    assert s == [1.0] * 5  # the budget passed after 3, min_reps holds it to 5
+    s = timing.time_cpu(lambda: None, warmup=0, reps=100, budget_s=2.5, min_reps=1)
+    assert len(s) == 3
+
+
+@pytest.mark.parametrize("warmup,reps", [(-1, 3), (0, 0)])
+def test_time_cpu_rejects_bad_counts(warmup, reps):
+    with pytest.raises(ValueError, match="time_cpu"):
+        timing.time_cpu(lambda: None, warmup=warmup, reps=reps)
+
+
+def test_time_cuda_without_gpu_says_so():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the no-GPU error path cannot be exercised")
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        timing.time_cuda(lambda: None, warmup=0, reps=1)
+
+
+@pytest.mark.cuda
+def test_time_cuda_samples_on_gpu():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU (torch.cuda.is_available() is False)")
+    x = torch.ones(1 << 20, device="cuda")
+    s = timing.time_cuda(lambda: x.mul_(1.0), warmup=2, reps=9, flush_l2=True)
+    assert len(s) == 9 and all(v > 0 for v in s)
