@@ -1,0 +1,173 @@
+// test_tree_build: kdt_tree_build against the reference's KDTR bundles (bit-exact, CPU and, when
+// a GPU is present, CUDA), the worked example of DDTREE.md, argument validation, and random
+// CPU-vs-CUDA cross-checks with exact ties up to budget 1024 with K = 1024.
+//   test_tree_build --bundles DIR [--seed S]
+#include <cmath>
+
+#include "_tree_io.hpp"
+
+using namespace kdt_test;
+
+namespace {
+
+std::string load_bundle(const std::string& path, BuildIn* in, BuildOut* ref) {
+  kdt::SafetensorsFile f;
+  if (f.open(path) != KDT_OK || f.check_kdtr("tree_build") != KDT_OK) return f.error();
+  const kdt::TensorInfo* t = f.find("top_logp");
+  if (!t || t->shape.size() != 3) return path + ": top_logp missing or not [bs, L, K]";
+  in->bs = (int)t->shape[0]; in->L = (int)t->shape[1]; in->K = (int)t->shape[2];
+  std::vector<int64_t> budget;
+  using kdt::DType;
+  for (const std::string& e :
+       {read(f, "top_logp", DType::F32, &in->lp), read(f, "top_ids", DType::I64, &in->ids),
+        read(f, "root_ids", DType::I64, &in->root), read(f, "seq_lens", DType::I64, &in->seq),
+        read(f, "budget", DType::I64, &budget),
+        read(f, "expected.tokens", DType::I64, &ref->tokens),
+        read(f, "expected.parents", DType::I32, &ref->parents),
+        read(f, "expected.depths", DType::I32, &ref->depths),
+        read(f, "expected.positions", DType::I64, &ref->positions),
+        read(f, "expected.first_child", DType::I64, &ref->first_child),
+        read(f, "expected.next_sibling", DType::I64, &ref->next_sibling),
+        read(f, "expected.visibility", DType::U32, &ref->visibility),
+        read(f, "expected.num_nodes", DType::I32, &ref->num_nodes),
+        read(f, "expected.scores", DType::F64, &ref->scores)})
+    if (!e.empty()) return e;
+  if (budget.size() != 1) return path + ": budget is not one element";
+  in->budget = (int)budget[0];
+  if (in->K > in->budget) {  // the reference allows K > budget; ranks >= budget never win
+    std::vector<float> lp;
+    std::vector<int64_t> ids;
+    for (size_t r = 0; r < (size_t)in->bs * in->L; ++r)
+      for (int k = 0; k < in->budget; ++k) {
+        lp.push_back(in->lp[r * in->K + k]);
+        ids.push_back(in->ids[r * in->K + k]);
+      }
+    in->lp.swap(lp); in->ids.swap(ids); in->K = in->budget;
+  }
+  return "";
+}
+
+std::string worked_example() {
+  // DDTREE.md section 2: L = 3, K = 3, B = 6.
+  const double p[3][3] = {{0.6, 0.3, 0.1}, {0.5, 0.4, 0.1}, {0.9, 0.05, 0.05}};
+  BuildIn in{1, 3, 3, 6, {}, {11, 12, 13, 21, 22, 23, 31, 32, 33}, {7}, {100}};
+  for (auto& row : p)
+    for (double v : row) in.lp.push_back((float)std::log(v));
+  BuildOut out;
+  if (kdt_status s = build_cpu(in, &out)) return status_message(s, "kdt_tree_build");
+  BuildOut ref;
+  ref.tokens = {7, 11, 21, 12, 31, 22, 31};
+  ref.depths = {0, 1, 2, 1, 3, 2, 3};
+  ref.parents = {-1, 0, 1, 0, 2, 1, 5};
+  ref.first_child = {3, 5, 4, -1, -1, 6, -1};
+  ref.next_sibling = {-1, -1, -1, 1, -1, 2, -1};
+  // Row i: bit i and its ancestors' bits (root = bit 0).
+  ref.visibility = {0x1, 0x3, 0x7, 0x9, 0x17, 0x23, 0x63};
+  for (const std::string& e :
+       {same("tokens", out.tokens, ref.tokens), same("depths", out.depths, ref.depths),
+        same("parents", out.parents, ref.parents), same("first_child", out.first_child, ref.first_child),
+        same("next_sibling", out.next_sibling, ref.next_sibling),
+        same("visibility", out.visibility, ref.visibility)})
+    if (!e.empty()) return e;
+  return out.num_nodes[0] == 7 ? "" : "num_nodes " + std::to_string(out.num_nodes[0]) + " != 7";
+}
+
+// Each bad argument must give KDT_ERR_INVALID_ARGUMENT and a message naming it.
+std::string invalid_arguments() {
+  BuildIn in{1, 2, 2, 4, {0.f, -1.f, 0.f, -1.f}, {1, 2, 3, 4}, {0}, {0}};
+  BuildOut o;
+  o.resize(1, 4);
+  struct Case { int bs, L, K, budget; const float* lp; int backend; const char* needle; };
+  const Case cases[] = {
+      {1, 2, 2, 0, in.lp.data(), 0, "budget"},   {1, 2, 2, 1025, in.lp.data(), 0, "budget"},
+      {1, 0, 2, 4, in.lp.data(), 0, "L="},       {1, 33, 2, 4, in.lp.data(), 0, "L="},
+      {1, 2, 0, 4, in.lp.data(), 0, "K="},       {1, 2, 5, 4, in.lp.data(), 0, "K="},
+      {-1, 2, 2, 4, in.lp.data(), 0, "bs="},     {1, 2, 2, 4, nullptr, 0, "top_logp"},
+      {1, 2, 2, 4, in.lp.data(), 7, "backend"},
+  };
+  for (const Case& c : cases) {
+    const kdt_status s = kdt_tree_build((kdt_backend)c.backend, nullptr, c.bs, c.L, c.K, c.budget,
+                                        c.lp, in.ids.data(), in.root.data(), in.seq.data(),
+                                        o.tokens.data(), o.parents.data(), o.depths.data(),
+                                        o.positions.data(), o.first_child.data(),
+                                        o.next_sibling.data(), o.visibility.data(),
+                                        o.num_nodes.data(), o.scores.data());
+    if (s != KDT_ERR_INVALID_ARGUMENT)
+      return std::string("case '") + c.needle + "': status " + std::to_string((int)s) + ", expected 1";
+    if (!std::strstr(kdt_last_error(), c.needle))
+      return std::string("case '") + c.needle + "': message '" + kdt_last_error() + "' does not name it";
+  }
+  // bs == 0 is a no-op even with NULL arrays; scores may be NULL.
+  if (kdt_tree_build(KDT_BACKEND_CPU, nullptr, 0, 2, 2, 4, nullptr, nullptr, nullptr, nullptr,
+                     nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr))
+    return std::string("bs = 0 failed: ") + kdt_last_error();
+  if (kdt_tree_build(KDT_BACKEND_CPU, nullptr, 1, 2, 2, 4, in.lp.data(), in.ids.data(),
+                     in.root.data(), in.seq.data(), o.tokens.data(), o.parents.data(),
+                     o.depths.data(), o.positions.data(), o.first_child.data(),
+                     o.next_sibling.data(), o.visibility.data(), o.num_nodes.data(), nullptr))
+    return std::string("scores = NULL failed: ") + kdt_last_error();
+  return "";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Harness h(argc, argv);
+  const std::string no_cuda = cuda_unavailable();
+  h.run("worked_example/cpu", worked_example);
+  h.run("invalid_arguments", invalid_arguments);
+  if (!kdt_has_cuda()) {
+    h.run("cuda_backend_unsupported_in_cpu_build", [] {
+      BuildIn in{1, 1, 1, 1, {0.f}, {1}, {0}, {0}};
+      BuildOut o;
+      o.resize(1, 1);
+      const kdt_status s = kdt_tree_build(KDT_BACKEND_CUDA, nullptr, 1, 1, 1, 1, in.lp.data(), in.ids.data(),
+                                          in.root.data(), in.seq.data(), o.tokens.data(), o.parents.data(),
+                                          o.depths.data(), o.positions.data(), o.first_child.data(),
+                                          o.next_sibling.data(), o.visibility.data(), o.num_nodes.data(), nullptr);
+      return s == KDT_ERR_UNSUPPORTED ? std::string() : "status " + std::to_string((int)s) + ", expected 2";
+    });
+  }
+
+  for (const std::string& path : h.bundle_files("tree_build")) {
+    BuildIn in;
+    BuildOut ref;
+    const std::string err = load_bundle(path, &in, &ref);
+    h.run("bundle/" + stem(path) + "/cpu", [&] {
+      if (!err.empty()) return err;
+      BuildOut out;
+      if (kdt_status s = build_cpu(in, &out)) return status_message(s, "kdt_tree_build(cpu)");
+      return same_build(out, ref);
+    });
+    if (!no_cuda.empty()) { h.skip("bundle/" + stem(path) + "/cuda", no_cuda); continue; }
+    h.run("bundle/" + stem(path) + "/cuda", [&] {
+      if (!err.empty()) return err;
+      BuildOut out;
+      if (kdt_status s = build_cuda(in, &out)) return status_message(s, "kdt_tree_build(cuda)");
+      return same_build(out, ref);
+    });
+  }
+
+  // Random CPU vs CUDA: awkward sizes, exact ties, the largest budget.
+  const int grid[][4] = {{1, 1, 1, 1}, {3, 1, 7, 16}, {5, 4, 1, 9}, {12, 15, 8, 64},
+                         {17, 15, 16, 37}, {4, 32, 3, 100}, {33, 15, 64, 255}, {3, 15, 1024, 1024},
+                         {2, 32, 1024, 1024}};
+  std::mt19937_64 rng(h.seed);
+  for (const auto& g : grid) {
+    const std::string name = "random_cpu_vs_cuda/bs" + std::to_string(g[0]) + "_L" + std::to_string(g[1]) +
+                             "_K" + std::to_string(g[2]) + "_B" + std::to_string(g[3]);
+    if (!no_cuda.empty()) { h.skip(name, no_cuda); continue; }
+    h.run(name, [&] {
+      for (int ties = 0; ties < 2; ++ties) {
+        const BuildIn in = random_build(rng, g[0], g[1], g[2], g[3], ties != 0);
+        BuildOut a, b;
+        if (kdt_status s = build_cpu(in, &a)) return status_message(s, "kdt_tree_build(cpu)");
+        if (kdt_status s = build_cuda(in, &b)) return status_message(s, "kdt_tree_build(cuda)");
+        const std::string e = same_build(b, a);
+        if (!e.empty()) return std::string(ties ? "ties: " : "no ties: ") + e;
+      }
+      return std::string();
+    });
+  }
+  return h.finish();
+}
