@@ -1,0 +1,312 @@
+"""The pipeline: deploy, test-remote, bench, doctor on one host, and several hosts in parallel.
+
+    deploy(host, repo_root, opts, progress)        -> Outcome   sync + build (+ bundles)
+    test_remote(host, repo_root, opts, progress)   -> Outcome   deploy, then a `test` run
+    bench(host, repo_root, opts, progress)         -> Outcome   deploy, then a `bench` run
+    fetch_results(host, repo_root, opts, progress) -> Outcome   (engine/remote/results.py)
+    doctor(host, repo_root, opts, progress)        -> Outcome
+    run_hosts(fn, hosts, repo_root, opts, progress) -> [Outcome]   one thread per host
+
+Each builds its plan (engine/remote/plan.py) first; with opts.dry_run it prints the plan and
+returns (it connects, to show the sync's files and real paths, but changes nothing). A run is
+executed on the host by engine/remote/runner.py from the synced source, which finalizes the run
+folder's manifest.json; test_remote and bench read it back for their summary line.
+
+Expected failures raise KdtError (engine/remote/errors.py); a run whose tests failed is not an
+exception but an Outcome carrying TestsFailed, so its run id is still reported. run_hosts turns
+every host's result or error into an Outcome and never lets one host's failure lose another's;
+an unexpected exception becomes exit code 70 with its traceback in .kdtree/debug.log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import tempfile
+import threading
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from . import provenance
+from .errors import BuildFailed, ConfigError, KdtError, TestsFailed, TransferError
+from .inventory import Host
+from .locks import RemoteLock
+from .plan import (Layout, Options, Plan, make_run_id, plan_deploy, plan_run, runner_request,
+                   source_digest)
+from .progress import Progress
+from .transport import Transport, open_transport
+
+INTERNAL_ERROR_EXIT = 70
+DEBUG_LOG = Path(".kdtree") / "debug.log"
+
+
+@dataclass
+class Outcome:
+    host: str
+    task: str
+    summary: str = ""
+    error: KdtError | None = None
+    run_ids: list[str] = field(default_factory=list)
+    details: dict = field(default_factory=dict)
+
+    @property
+    def exit_code(self) -> int:
+        if self.error is None:
+            return 0
+        return getattr(self.error, "exit_code", INTERNAL_ERROR_EXIT)
+
+    def to_dict(self) -> dict:
+        return {"host": self.host, "task": self.task, "exit_code": self.exit_code,
+                "summary": self.summary, "error": str(self.error) if self.error else None,
+                "run_ids": self.run_ids, "details": self.details}
+
+
+# ---- helpers --------------------------------------------------------------------------------------
+
+def layout_for(host: Host, t: Transport) -> Layout:
+    return Layout(t.remote_dir, host.cuda_arch)
+
+
+def read_remote_json(t: Transport, path: str) -> dict | None:
+    """A JSON file on the host, or None when it does not exist."""
+    r = t.run(f"cat {shlex.quote(path)} 2>/dev/null || exit 44", timeout=t.host.timeouts.connect)
+    if r.exit_code == 44:
+        return None
+    if not r.ok:
+        raise TransferError(f"reading {path}: {r.tail()}", host=t.host.name)
+    try:
+        return json.loads(r.stdout)
+    except ValueError as e:
+        raise TransferError(f"{path} is not valid JSON: {e}", host=t.host.name) from None
+
+
+def write_remote_json(t: Transport, path: str, obj: dict) -> None:
+    """Write obj as JSON on the host (through a local temp file and put, which is atomic)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        local = f.name
+    try:
+        t.put(local, path)
+    finally:
+        os.unlink(local)
+
+
+def _n(x) -> int:
+    return len(x) if isinstance(x, (list, tuple, set, dict)) else int(x or 0)
+
+
+def _sync_module():
+    from . import sync  # the orchestration core's module; imported when a deploy needs it
+    return sync
+
+
+def _print_plan(plan: Plan, log: Callable[[str], None]) -> None:
+    for line in plan.render():
+        log(line)
+
+
+# ---- deploy ----------------------------------------------------------------------------------------
+
+def _deploy_on(t: Transport, host: Host, repo_root: Path, opts: Options, progress: Progress) -> str:
+    """Sync and build on an open transport; returns the summary line."""
+    log = progress.logger(host.name)
+    sync = _sync_module()
+    files = sync.git_file_list(repo_root)
+    lay = layout_for(host, t)
+    plan = plan_deploy(host, lay, repo_root, opts, n_files=len(files))
+    if opts.dry_run:
+        _print_plan(plan, log)
+        sync.sync(repo_root, t, dry_run=True, log=log)
+        return "dry run: nothing changed"
+    with RemoteLock(t, purpose="deploy", wait_s=opts.lock_wait_s,
+                    hold_s=host.timeouts.sync + 2 * host.timeouts.build + 300, log=log, step="deploy"):
+        progress.status(host.name, "sync")
+        rep = sync.sync(repo_root, t, dry_run=False, log=log)
+        summary = (f"sync ({rep.method}): {_n(rep.sent)} sent, {_n(rep.unchanged)} unchanged, "
+                   f"{_n(rep.deleted)} deleted, {rep.bytes_sent} bytes in {rep.seconds:.1f} s")
+        build = plan.step("build")
+        if build.skipped:
+            return summary + f"; build skipped ({build.skipped})"
+        digest = source_digest(repo_root, files, build.argv)
+        stamp_path = f"{lay.build}/deploy.json"
+        stamp = read_remote_json(t, stamp_path)
+        lib_ok = t.run(["test", "-f", lay.lib], timeout=host.timeouts.connect).ok
+        if stamp and stamp.get("source_digest") == digest and lib_ok:
+            log(f"build: up to date ({lay.lib}, source digest {digest[:12]})")
+            return summary + "; build up to date"
+        for step in (build, plan.step("bundles")):
+            if step.skipped:
+                log(f"{step.name}: skipped ({step.skipped})")
+                continue
+            progress.status(host.name, step.name)
+            log(f"{step.name}: $ {' '.join(step.argv)}")
+            try:
+                r = t.run(step.argv, cwd=step.cwd, env=step.env, timeout=step.timeout,
+                          on_output=progress.output(host.name))
+            except KdtError as e:
+                raise e.with_context(host=host.name, step=step.name)
+            if not r.ok:
+                raise BuildFailed(f"`{' '.join(step.argv)}` exited {r.exit_code}"
+                                  + (f" ({r.signal})" if r.signal else "") + f": {r.tail(3)}",
+                                  host=host.name, step=step.name,
+                                  hint="the full output is above; run `invoke build` locally to reproduce")
+        write_remote_json(t, stamp_path, {"source_digest": digest, "build_argv": build.argv,
+                                          "git": provenance.git_info(repo_root),
+                                          "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+        return summary + f"; built {lay.lib}"
+
+
+def deploy(host: Host, repo_root: Path, opts: Options, progress: Progress) -> Outcome:
+    with open_transport(host, accept_new_host_key=opts.accept_new_host_key) as t:
+        return Outcome(host.name, "deploy", _deploy_on(t, host, repo_root, opts, progress))
+
+
+# ---- runs: test-remote and bench --------------------------------------------------------------------
+
+def _new_run_dir(t: Transport, lay: Layout, git: dict, kind: str) -> str:
+    """Create runs/<run-id>/ (mkdir, not -p: two runs never share a folder); returns the id."""
+    for _ in range(5):
+        run_id = make_run_id(git, kind)
+        r = t.run(f"mkdir -p {shlex.quote(lay.runs)} && mkdir {shlex.quote(lay.run(run_id))}",
+                  timeout=t.host.timeouts.connect)
+        if r.ok:
+            return run_id
+        time.sleep(1.0)  # the id has a one-second clock: the next one differs
+    raise TransferError(f"cannot create a run folder under {lay.runs}: {r.tail()}", host=t.host.name)
+
+
+def _run(kind: str, host: Host, repo_root: Path, opts: Options, progress: Progress) -> Outcome:
+    log = progress.logger(host.name)
+    git = provenance.git_info(repo_root)
+    with open_transport(host, accept_new_host_key=opts.accept_new_host_key) as t:
+        deployed = ""
+        if not opts.no_deploy:
+            deployed = _deploy_on(t, host, repo_root, opts, progress)
+        lay = layout_for(host, t)
+        if opts.dry_run:
+            _print_plan(plan_run(kind, host, lay, make_run_id(git, kind), repo_root, opts), log)
+            return Outcome(host.name, kind, "dry run: nothing changed")
+        lock = RemoteLock(t, purpose=f"{kind} run", wait_s=opts.lock_wait_s, log=log, step=kind,
+                          hold_s=(host.timeouts.test if kind == "test" else host.timeouts.bench) + 600)
+        lock.acquire()
+        try:
+            run_id = _new_run_dir(t, lay, git, kind)
+            plan = plan_run(kind, host, lay, run_id, repo_root, opts)
+            runner = plan.step("runner")
+            request = runner_request(plan, run_id, git, host, lay, opts,
+                                     lock={"path": lock.path, "token": lock.token} if opts.detach else None)
+            write_remote_json(t, f"{lay.run(run_id)}/request.json", request)
+            env = {**runner.env, provenance.GIT_ENV: json.dumps(git)}
+            progress.status(host.name, f"{kind} {run_id}")
+            log(f"{kind}: run {run_id} in {lay.run(run_id)}")
+            if opts.detach:
+                pid = t.spawn_detached(runner.argv, cwd=runner.cwd, env=env,
+                                       log_path=f"{lay.runs}/{run_id}.runner.log")
+                lock.handoff(pid)
+                return Outcome(host.name, kind, f"started {run_id} detached (pid {pid}); "
+                               f"`invoke fetch-results --run {run_id}` once it is complete",
+                               run_ids=[run_id], details={"pid": pid})
+            try:
+                r = t.run(runner.argv, cwd=runner.cwd, env=env, timeout=runner.timeout,
+                          on_output=progress.output(host.name))
+            except KdtError as e:
+                raise e.with_context(host=host.name, step=kind)
+        finally:
+            lock.release()
+        manifest = read_remote_json(t, f"{lay.run(run_id)}/manifest.json")
+    if manifest is None:
+        err = TestsFailed(f"the runner exited {r.exit_code} without a manifest: {r.tail(5)}",
+                          host=host.name, step=kind, hint=f"see {lay.run(run_id)}/logs on the host")
+        return Outcome(host.name, kind, f"{run_id}: incomplete", err, [run_id])
+    summary = f"{run_id}: {manifest.get('summary')}"
+    err = None
+    if not manifest.get("ok"):
+        failed = [n for n, s in manifest["status"].items() if s.get("status") == "failed"]
+        err = TestsFailed(f"{run_id}: {', '.join(failed)} failed: {manifest.get('summary')}",
+                          host=host.name, step=kind,
+                          hint=f"logs in {lay.run(run_id)}/logs; `invoke fetch-results --run {run_id}` brings them home")
+    return Outcome(host.name, kind, summary, err, [run_id],
+                   {"deploy": deployed, "status": manifest.get("status")})
+
+
+def test_remote(host: Host, repo_root: Path, opts: Options, progress: Progress) -> Outcome:
+    return _run("test", host, repo_root, opts, progress)
+
+
+def bench(host: Host, repo_root: Path, opts: Options, progress: Progress) -> Outcome:
+    return _run("bench", host, repo_root, opts, progress)
+
+
+def fetch_results(host: Host, repo_root: Path, opts: Options, progress: Progress) -> Outcome:
+    from .results import fetch_results as fetch
+    return fetch(host, repo_root, opts, progress)
+
+
+# ---- several hosts --------------------------------------------------------------------------------
+
+Task = Callable[[Host, Path, Options, Progress], Outcome]
+
+
+def run_hosts(fn: Task, hosts: list[Host], repo_root: Path, opts: Options, progress: Progress) -> list[Outcome]:
+    """fn on every host in parallel threads; one Outcome per host, in the order given."""
+    task = fn.__name__.replace("_", "-")
+    debug_lock = threading.Lock()
+
+    def one(host: Host) -> Outcome:
+        progress.status(host.name, f"{task}: starting")
+        try:
+            out = fn(host, repo_root, opts, progress)
+        except KdtError as e:
+            out = Outcome(host.name, task, "", e.with_context(host=host.name, step=task))
+        except Exception as e:  # a bug, not a user error: traceback to the debug log
+            path = repo_root / DEBUG_LOG
+            with debug_lock:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with open(path, "a") as f:
+                    f.write(f"--- {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {task} on {host.name}\n")
+                    f.write(traceback.format_exc())
+            err = KdtError(f"internal error: {type(e).__name__}: {e}", host=host.name, step=task,
+                           hint=f"traceback in {path}")
+            err.exit_code = INTERNAL_ERROR_EXIT
+            out = Outcome(host.name, task, "", err)
+        progress.status(host.name, f"{task}: {'ok' if out.error is None else f'failed (exit {out.exit_code})'}")
+        return out
+
+    if len(hosts) == 1:
+        return [one(hosts[0])]
+    with ThreadPoolExecutor(max_workers=len(hosts)) as pool:
+        return list(pool.map(one, hosts))
+
+
+def worst_exit(outcomes: list[Outcome]) -> int:
+    return max((o.exit_code for o in outcomes), default=0)
+
+
+# ---- doctor ----------------------------------------------------------------------------------------
+
+def doctor(host: Host, repo_root: Path, opts: Options, progress: Progress) -> Outcome:
+    """Connect and check what the pipeline needs; fails (exit 5) when the host does not match
+    its inventory entry (missing python/numpy/g++, nvcc for a GPU arch, GPUs, arch, disk)."""
+    from .doctor import check_host
+    log = progress.logger(host.name)
+    if opts.dry_run:
+        log(f"plan: doctor on {host.name} ({host.address}): connect, then probe python, numpy, "
+            f"g++, nvcc, cmake, rsync, tar, nvidia-smi and free disk in {host.remote_dir}")
+        return Outcome(host.name, "doctor", "dry run: nothing changed")
+    with open_transport(host, accept_new_host_key=opts.accept_new_host_key) as t:
+        checks = check_host(t, host)
+    for c in checks:
+        log(f"{c['status']:>4}  {c['check']}: {c['detail']}")
+    failed = [c for c in checks if c["status"] == "FAIL"]
+    summary = f"{len(checks) - len(failed)}/{len(checks)} checks ok" + (
+        f"; failed: {', '.join(c['check'] for c in failed)}" if failed else "")
+    err = None
+    if failed:
+        err = ConfigError("; ".join(f"{c['check']}: {c['detail']}" for c in failed), host=host.name,
+                          step="doctor", hint=f"fix the host or its inventory file {host.source or '(embedded)'}")
+    return Outcome(host.name, "doctor", summary, err, details={"checks": checks})

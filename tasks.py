@@ -1,0 +1,254 @@
+"""Invoke tasks: thin wrappers over engine/remote/ (docs/PIPELINE.md is the user guide).
+
+    invoke deploy test-remote bench fetch-results          # the main job, on hosts/local.yaml
+    invoke bench --host ct200,h200 --quick --detach
+    invoke fetch-results --host ct200 --run latest
+
+Every remote task takes --host (a name in hosts/, a YAML path, or a comma list; default local),
+--dry-run (print the plan, change nothing), --json (a machine-readable summary on stdout) and
+--accept-new-host-key. Exit codes: 0 ok, 1 tests failed, 2 regression, 3 host/SSH/transfer,
+4 build failed, 5 bad usage or configuration, 70 an internal error (traceback in
+.kdtree/debug.log). Errors are one line per host on stderr.
+"""
+
+from __future__ import annotations
+
+import functools
+import json as jsonlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from invoke import Exit, task
+
+REPO = Path(__file__).resolve().parent
+HOSTS_DIR = REPO / "hosts"
+INTERNAL_ERROR_EXIT = 70
+HOST_HELP = {
+    "host": "host name in hosts/, a YAML path, or a comma list (default: local)",
+    "dry_run": "print the plan and change nothing",
+    "json": "print a JSON summary on stdout",
+    "accept_new_host_key": "trust an unknown SSH host key once and record it in known_hosts",
+}
+
+
+def _fail(line: str, code: int) -> None:
+    print(line, file=sys.stderr)
+    raise Exit(code=code)
+
+
+def _guarded(fn):
+    """User errors: one line + their exit code. Anything else: traceback to the debug log."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from engine.remote.errors import KdtError
+        try:
+            return fn(*args, **kwargs)
+        except Exit:
+            raise
+        except KdtError as e:
+            _fail(str(e), e.exit_code)
+        except Exception as e:
+            log = REPO / ".kdtree" / "debug.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            with open(log, "a") as f:
+                f.write(f"--- {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {fn.__name__}\n")
+                f.write(traceback.format_exc())
+            _fail(f"error: internal: {type(e).__name__}: {e} (traceback in {log})", INTERNAL_ERROR_EXIT)
+    return wrapper
+
+
+def _remote(name: str, host: str | None, as_json: bool, **flags) -> None:
+    """Resolve the hosts, run engine.remote.pipeline.<name> on each in parallel, report, exit."""
+    from engine.remote import pipeline
+    from engine.remote.inventory import resolve_hosts
+    from engine.remote.plan import Options
+    from engine.remote.progress import Progress
+
+    hosts = resolve_hosts(host, HOSTS_DIR)
+    opts = Options(as_json=as_json, **flags)
+    fn = getattr(pipeline, name)
+    with Progress([h.name for h in hosts], live=False if as_json else None) as progress:
+        outcomes = pipeline.run_hosts(fn, hosts, REPO, opts, progress)
+    task_name = name.replace("_", "-")
+    for o in outcomes:
+        if o.error is None:
+            print(f"{o.host}: {task_name}: ok: {o.summary}", file=sys.stderr if as_json else sys.stdout)
+        else:
+            print(str(o.error), file=sys.stderr)
+    if as_json:
+        print(jsonlib.dumps({"task": task_name, "exit_code": pipeline.worst_exit(outcomes),
+                             "hosts": [o.to_dict() for o in outcomes]}, indent=2))
+    code = pipeline.worst_exit(outcomes)
+    if code:
+        raise Exit(code=code)
+
+
+@task(auto_shortflags=False, help=HOST_HELP | {"no_build": "sync only, do not build"})
+@_guarded
+def deploy(c, host=None, dry_run=False, json=False, accept_new_host_key=False, no_build=False):
+    """Sync the source to the host(s) and build libkdtree.so there."""
+    _remote("deploy", host, json, dry_run=dry_run, accept_new_host_key=accept_new_host_key, no_build=no_build)
+
+
+@task(auto_shortflags=False, help=HOST_HELP | {
+    "no_deploy": "run against what is already deployed", "no_build": "deploy syncs only",
+    "suite": "native (default: cuda/run_tests.sh + pytest -m native) or selftest (the pipeline's own check)"})
+@_guarded
+def test_remote(c, host=None, dry_run=False, json=False, accept_new_host_key=False, no_deploy=False,
+                no_build=False, suite=None):
+    """Deploy, then run the native tests and pytest -m native on the host(s); exit 1 on failures."""
+    if suite not in (None, "native", "selftest"):
+        _fail(f"error: test-remote: --suite {suite!r}: expected native or selftest", 5)
+    _remote("test_remote", host, json, dry_run=dry_run, accept_new_host_key=accept_new_host_key,
+            no_deploy=no_deploy, no_build=no_build, suite=suite)
+
+
+@task(auto_shortflags=False, help=HOST_HELP | {
+    "suite": "comma list for python -m bench (default kernels,tree_build,e2e), or selftest",
+    "quick": "a short run", "detach": "start it in its own session on the host, print the run id, return",
+    "no_deploy": "run against what is already deployed", "no_build": "deploy syncs only"})
+@_guarded
+def bench(c, host=None, dry_run=False, json=False, accept_new_host_key=False, suite=None, quick=False,
+          detach=False, no_deploy=False, no_build=False):
+    """Deploy, then run the benchmarks on the host(s) into a run folder."""
+    _remote("bench", host, json, dry_run=dry_run, accept_new_host_key=accept_new_host_key, suite=suite,
+            quick=quick, detach=detach, no_deploy=no_deploy, no_build=no_build)
+
+
+@task(auto_shortflags=False, help=HOST_HELP | {
+    "run": "a run id, latest, or all (default: every complete run not yet in results/)",
+    "no_commit": "download and verify only", "allow_dirty": "commit results of a dirty engine tree (recorded)"})
+@_guarded
+def fetch_results(c, host=None, dry_run=False, json=False, accept_new_host_key=False, run=None,
+                  no_commit=False, allow_dirty=False):
+    """Bring complete runs home verified into results/<host>/, regenerate the report, commit."""
+    _remote("fetch_results", host, json, dry_run=dry_run, accept_new_host_key=accept_new_host_key, run=run,
+            no_commit=no_commit, allow_dirty=allow_dirty)
+
+
+@task(auto_shortflags=False, help=HOST_HELP)
+@_guarded
+def doctor(c, host=None, dry_run=False, json=False, accept_new_host_key=False):
+    """Check connectivity, host key, python/numpy, nvcc/cmake/rsync, GPUs vs cuda_arch, free disk."""
+    _remote("doctor", host, json, dry_run=dry_run, accept_new_host_key=accept_new_host_key)
+
+
+@task(auto_shortflags=False)
+@_guarded
+def hosts(c):
+    """List the inventory (hosts/*.yaml) with each host's transport, address, arch and GPUs."""
+    from engine.remote.errors import KdtError
+    from engine.remote.inventory import load_host
+    files = sorted(HOSTS_DIR.glob("*.yaml"))
+    bad = 0
+    for path in files or [Path("local")]:
+        try:
+            h = load_host(str(path) if path.suffix else "local", HOSTS_DIR)
+        except KdtError as e:
+            print(str(e), file=sys.stderr)
+            bad += 1
+            continue
+        gpus = f"{h.gpus.count} x {h.gpus.model}" if h.gpus.count else "no GPUs"
+        print(f"{h.name:<12} {h.transport:<6} {h.address:<32} {h.cuda_arch:<14} {gpus:<36} {h.remote_dir}")
+    if bad:
+        raise Exit(code=5)
+
+
+def _sh(argv: list[str], code: int, env: dict | None = None) -> None:
+    print("$ " + " ".join(argv), flush=True)
+    r = subprocess.run(argv, cwd=REPO, env={**os.environ, **(env or {})})
+    if r.returncode != 0:
+        _fail(f"error: local: {argv[1] if argv[0] in ('bash', sys.executable) else argv[0]}: "
+              f"exited {r.returncode}", code)
+
+
+@task(auto_shortflags=False, help={"arch": "cpu, sm_90, sm_120, sm_90,sm_120 or native (default cpu)"})
+@_guarded
+def build(c, arch="cpu"):
+    """Build libkdtree.so and the native programs locally into build/<arch>."""
+    _sh(["bash", "cuda/build.sh", "--arch", arch, "--out", f"build/{arch.replace(',', '+')}"], 4)
+
+
+@task(auto_shortflags=False, help={"pytest_args": "extra pytest arguments, e.g. \"tests/test_x.py -x\""})
+@_guarded
+def test(c, pytest_args=""):
+    """The whole test suite: cpu build, CUDA compile check, bundles, native tests, then pytest."""
+    _sh(["bash", "cuda/build.sh", "--arch", "cpu", "--out", "build/cpu"], 4)
+    if shutil.which("nvcc"):
+        _sh(["bash", "cuda/build.sh", "--arch", "sm_90,sm_120", "--out", "build/fat"], 4)
+    else:
+        print("nvcc not found: skipping the sm_90,sm_120 compile check")
+    env = {"KDTREE_LIB": str(REPO / "build/cpu/libkdtree.so")}
+    if (REPO / "engine/kdtr.py").is_file():
+        _sh([sys.executable, "-m", "engine.kdtr", "generate", "--out", "build/cpu/bundles"], 1, env)
+    if (REPO / "cuda/run_tests.sh").is_file():
+        _sh(["bash", "cuda/run_tests.sh", "--build", "build/cpu", "--bundles", "build/cpu/bundles",
+             "--junit", "build/cpu/native-junit.xml"], 1, env)
+    argv = [sys.executable, "-m", "pytest", "-q", *pytest_args.split()]
+    print("$ " + " ".join(argv), flush=True)
+    p = subprocess.Popen(argv, cwd=REPO, env={**os.environ, **env}, stdout=subprocess.PIPE, text=True)
+    last = ""
+    for line in p.stdout:
+        sys.stdout.write(line)
+        if line.strip():
+            last = line.strip()
+    code = p.wait()
+    print(f"pytest: {last}")
+    if code:
+        raise Exit(code=1)
+
+
+@task(auto_shortflags=False, help={"host": "only this host's report (default: every host in results/)"})
+@_guarded
+def report(c, host=None):
+    """Regenerate docs/BENCHMARKS_<host>.md from results/<host>/."""
+    from engine.remote.report import write_report
+    results = REPO / "results"
+    names = [host] if host else sorted(p.name for p in results.iterdir() if p.is_dir()) if results.is_dir() else []
+    if not names:
+        _fail("error: report: no results/<host>/ folders yet (run invoke fetch-results first)", 5)
+    for name in names:
+        if not (results / name).is_dir():
+            _fail(f"error: report: results/{name} does not exist", 5)
+        written = write_report(results / name, REPO / "docs")
+        print(f"{name}: report written: {written}")
+
+
+def _run_dir(spec: str) -> Path:
+    """A run folder from a path or a run id under results/<host>/."""
+    p = Path(spec)
+    if p.is_dir():
+        return p
+    hits = sorted((REPO / "results").glob(f"*/{spec}"))
+    if len(hits) != 1:
+        _fail(f"error: compare: {spec!r}: " + ("no such run under results/" if not hits else
+              f"found in several hosts: {', '.join(str(h) for h in hits)}"), 5)
+    return hits[0]
+
+
+@task(auto_shortflags=False, help={"run_a": "baseline run (id or path)", "run_b": "candidate run (id or path)",
+                                   "against": "latest: compare run_a against the newest other run of its host",
+                                   "threshold": "slowdown fraction that counts as a regression (0.05)"})
+@_guarded
+def compare(c, run_a, run_b=None, against=None, threshold=0.05):
+    """Compare two benchmark runs like with like; exit 2 on a regression beyond the threshold."""
+    from engine.remote.compare import compare_runs, latest_run
+    if against not in (None, "latest") or (run_b is None) == (against is None):
+        _fail("error: compare: give RUN_B, or --against latest", 5)
+    a = _run_dir(run_a)
+    if against == "latest":
+        base = latest_run(a.parent, exclude=a)
+        if base is None:
+            _fail(f"error: compare: no other run under {a.parent} to compare {a.name} against", 5)
+        a, b = base, a
+    else:
+        b = _run_dir(run_b)
+    cmp = compare_runs(a, b, float(threshold))
+    print(cmp.format(), end="")
+    if cmp.exit_code:
+        raise Exit(code=cmp.exit_code)
