@@ -29,6 +29,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine import block_drafter
+from engine.block_drafter import BlockDrafter
+
 
 def topk_from_logits(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """logits [L, V] -> (top_logp float32 [L, K], top_ids int64 [L, K]) with K = min(k, V);
@@ -90,15 +93,11 @@ class NoisyOracleDrafter:
         return top_logp, top_ids
 
 
-def load_block_drafter(weights_dir, device: str = "cpu"):
-    """The block drafter stored beside the target's weights (engine.block_drafter)."""
-    from engine.block_drafter import BlockDrafter
-
-    return BlockDrafter.from_dir(weights_dir, device=device)
+def load_block_drafter(weights_dir, backend: str = "torch", device: str = "cpu") -> BlockDrafter:
+    """The block drafter stored beside the target's weights (drafter.safetensors)."""
+    return BlockDrafter.from_dir(weights_dir, backend=backend, device=device)
 
 
 def init_block_drafter(weights_dir, seed: int = 1):
     """Writes seeded random block-drafter weights beside the target's; returns the two paths."""
-    from engine.block_drafter import init_block_drafter as _init
-
-    return _init(weights_dir, seed=seed)
+    return block_drafter.init_block_drafter(weights_dir, seed=seed)

@@ -474,14 +474,12 @@ def _attend_latent(q_lat, q_pe, ckv, kpe, prefix_len, vis, scale):
     q_lat [n, H, r], q_pe [n, H, dr], ckv [P+n, r], kpe [P+n, dr], vis bool [n, n] (row i sees
     new row j iff vis[i, j]). Returns the latent output [n, H, r]: softmax-weighted sums of c_kv.
     """
-    # TODO(switch): use engine.mla.tree_verify_attention once it lands (docs/DEVELOPING.md).
-    n = q_lat.shape[0]
-    mask = np.concatenate([np.ones((n, prefix_len), dtype=bool), vis], axis=1)  # [n, P+n]
-    s = (np.einsum("nhr,kr->nhk", q_lat, ckv) + np.einsum("nhd,kd->nhk", q_pe, kpe)) * scale
-    s = np.where(mask[:, None, :], s, -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    return np.einsum("nhk,kr->nhr", p, ckv)
+    from engine import mla  # lazily: another area's module (docs/DEVELOPING.md, engine.mla)
+
+    out, _lse = mla.tree_verify_attention(
+        q_lat, q_pe, ckv[:prefix_len], kpe[:prefix_len], ckv[prefix_len:], kpe[prefix_len:],
+        pack_visibility(vis), scale)
+    return out
 
 
 # ---------------------------------------------------------------- the model
@@ -577,6 +575,35 @@ class Model:
 
 # ---------------------------------------------------------------- CLI
 
+def limit_blas_threads(n: int = 1) -> bool:
+    """Sets numpy's OpenBLAS thread count in this process (returns False if no OpenBLAS found).
+
+    Why: the reference multiplies small matrices, where BLAS threads only spin; on a shared
+    2-core machine two spinning threads made a decode 25x slower. The CLIs and our tests call it.
+    """
+    import ctypes
+
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return False
+    libs = sorted({line.split()[-1] for line in maps if "openblas" in line.lower() and ".so" in line})
+    done = False
+    for lib in libs:
+        try:
+            handle = ctypes.CDLL(lib)
+        except OSError:
+            continue
+        for sym in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
+                    "openblas_set_num_threads64_", "openblas_set_num_threads"):
+            fn = getattr(handle, sym, None)
+            if fn is not None:
+                fn(ctypes.c_int(n))
+                done = True
+                break
+    return done
+
+
 def greedy(model: Model, prompt_ids, max_new_tokens: int) -> tuple[np.ndarray, np.ndarray]:
     """Plain greedy AR decode (prefill, then one token per forward). Returns (new tokens [T] int64,
     the logits [T, V] that chose them). The decoding loops with stats are in engine.model_decode."""
@@ -633,6 +660,7 @@ def main(argv=None) -> int:
     c = sub.add_parser("check", help="print logit spread and greedy diversity of DIR's model")
     c.add_argument("--weights", required=True)
     args = ap.parse_args(argv)
+    limit_blas_threads(1)
     try:
         if args.cmd == "init":
             cfg = load_config(args.config) if args.config else tiny_config()
