@@ -325,7 +325,7 @@ class Engine:
         if self._block_drafter is None:
             from engine import drafters  # lazily: another area's module
 
-            self._block_drafter = drafters.load_block_drafter(self.weights_dir)
+            self._block_drafter = drafters.load_block_drafter(self.weights_dir, device=self.device)
         return self._block_drafter
 
     def _round(self, slots, mode, budget, drafters, stats) -> None:
