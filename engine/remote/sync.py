@@ -334,8 +334,10 @@ def _sync_rsync(repo_root: Path, transport: Transport, plan: SyncPlan) -> SyncRe
             path = line.split(None, 1)[1]
             if not path.endswith("/"):
                 deleted.append(path)
-        elif len(line) > 12 and line[0] in "<>" and line[1] in "fL":
-            sent.append(line[12:])
+        elif len(line) > 12 and line[0] in "<>c." and line[1] in "fL" and line[11] == " ":
+            # itemized "YXcstpoguax path": sent content (<, >), a new symlink (c), or attributes (.)
+            path = line[12:]
+            sent.append(path.split(" -> ", 1)[0] if line[1] == "L" else path)
         elif line.startswith("Total bytes sent:"):
             bytes_sent = int(line.split(":", 1)[1].strip().replace(",", "").split()[0])
     w = transport.run(f"cat > {shlex.quote(rd)}/{MANIFEST}.new && mv -f {shlex.quote(rd)}/{MANIFEST}.new "
