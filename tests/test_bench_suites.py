@@ -1,0 +1,149 @@
+"""The kernels and tree_build suites on the CPU backend (--quick grids): every record validated
+against the reference before timing, rates with formulas, a broken kernel caught, the
+SGLang-style path (a fake until engine.baselines.sglang_cpu lands, then the real one)."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import numpy as np
+import pytest
+
+import bench
+
+pytestmark = pytest.mark.native
+
+
+@pytest.fixture(scope="module")
+def ctx(tmp_path_factory):
+    sys.path.insert(0, str(bench.REPO_ROOT / "tests"))
+    try:
+        from native_helpers import native
+    finally:
+        sys.path.pop(0)
+    try:
+        native()
+    except Exception as e:
+        pytest.skip(f"libkdtree.so is not available: {e}")
+    lib, why = bench.load_library()
+    if lib is None:
+        pytest.skip(f"libkdtree.so is not available: {why}")
+    return bench.Context(out_dir=tmp_path_factory.mktemp("bench"), quick=True, devices=["cpu"],
+                         library=lib)
+
+
+def _fake_sglang(corrupt: bool = False):
+    """An SGLang-shaped stand-in: the reference tree, returned under SGLang's names, flat."""
+    from engine import ddtree
+
+    def build_tree(top_logp, top_ids, budget, root_ids, seq_lens, device="cpu"):
+        t = ddtree.build_tree(*(x.cpu().numpy() for x in (top_logp, top_ids)), budget,
+                              *(x.cpu().numpy() for x in (root_ids, seq_lens)))
+        nxt = t.first_child.copy()
+        if corrupt:
+            nxt[0, 0] = -1
+        return {"draft_tokens": t.tokens.reshape(-1), "positions": t.positions.reshape(-1),
+                "retrive_next_token": nxt, "retrive_next_sibling": t.next_sibling}
+
+    return types.SimpleNamespace(build_tree=build_tree)
+
+
+def test_kernels_quick_cpu(ctx):
+    from bench import kernels
+
+    out = kernels.run(ctx)
+    recs = out["results"]
+    benches = {r["bench"] for r in recs}
+    assert benches == {"tree_build", "tree_accept", "verify_attention"}
+    bad = [r for r in recs if not r["validation"]["ok"]]
+    assert not bad, bad[0]["validation"]
+    for r in recs:
+        assert len(r["samples"]) >= 3 and r["summary"]["median"] > 0
+        for name, rate in r["rates"].items():
+            assert rate["formula"] and np.isfinite(rate["value"]), (name, rate)
+    att = [r for r in recs if r["bench"] == "verify_attention"]
+    assert {r["case"]["dtype"] for r in att} == {"float32", "bfloat16"}
+    for r in att:
+        c = r["case"]
+        w = kernels.attention_work(c["bs"], c["prefix"], c["tree"], c["dtype"], 0, 1)
+        assert r["work"]["bytes"] == w["bytes"]  # bytes do not depend on the mask
+        assert 0 < r["rates"]["frac_matmul_ceiling"]["value"] < 10
+    assert "reduced attention grid" in out["params"]["timing"]["cpu"]
+    assert "verify_attention" in out["table"] and "INVALID" not in out["table"]
+
+
+def test_attention_work_formula_by_hand():
+    from bench import kernels
+
+    # bs 2, P 10, T 3, H 1, Dl 4, Dr 2, fp32; visible = 2*3*10 + ancestors (say 8)
+    w = kernels.attention_work(2, 10, 3, "float32", 2 * 3 * 10 + 8, 1, heads=1, d_latent=4, d_rope=2)
+    assert w["bytes"] == (26 * 6 + 6 * 1 * 6) * 4 + 6 * 1 * 5 * 4 + 6 * 1 * 4
+    assert w["flops"] == 2 * 1 * (4 + 2 + 4) * 68
+
+
+def test_a_wrong_kernel_output_is_caught_and_not_timed(ctx, monkeypatch):
+    from bench import kernels, native_calls
+
+    real = native_calls.prepare_tree_build
+
+    def broken(lib, device, inp, budget):
+        p = real(lib, device, inp, budget)
+        run = p.run
+
+        def run_and_corrupt():
+            run()
+            p.outputs["parents"][0, 1] += 1
+
+        p.run = run_and_corrupt
+        return p
+
+    monkeypatch.setattr(kernels, "prepare_tree_build", broken)
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    recs = kernels._tree_and_accept(ctx.library, "cpu", 2, 15, np.random.default_rng(seed), seed,
+                                    lambda fn: pytest.fail("timed an invalid output"))
+    assert len(recs) == 1 and not recs[0]["validation"]["ok"]
+    assert "parents[(0, 1)]" in recs[0]["validation"]["error"]
+
+
+def test_tree_build_head_to_head_with_fake_sglang(ctx, monkeypatch):
+    from bench import tree_build
+
+    import engine.baselines
+
+    monkeypatch.setattr(engine.baselines, "sglang_cpu", _fake_sglang(), raising=False)
+    monkeypatch.setitem(sys.modules, "engine.baselines.sglang_cpu", engine.baselines.sglang_cpu)
+    out = tree_build.run(ctx)
+    recs = out["results"]
+    assert {r["backend"] for r in recs} == {"native-cpu", "sglang-cpu"}
+    assert all(r["validation"]["ok"] for r in recs), [r["validation"] for r in recs]
+    for r in recs:
+        if r["backend"] == "native-cpu":
+            sp = r["rates"]["speedup_vs_sglang"]
+            base = next(b for b in recs if b["backend"] == "sglang-cpu" and b["case"] == r["case"])
+            assert sp["value"] == pytest.approx(base["summary"]["median"] / r["summary"]["median"])
+    assert {(r["case"]["bs"], r["case"]["budget"]) for r in recs} == {(1, 15), (1, 255), (64, 15), (64, 255)}
+
+
+def test_tree_build_catches_a_wrong_sglang_tree(ctx, monkeypatch):
+    from bench import tree_build
+
+    import engine.baselines
+
+    monkeypatch.setattr(engine.baselines, "sglang_cpu", _fake_sglang(corrupt=True), raising=False)
+    monkeypatch.setitem(sys.modules, "engine.baselines.sglang_cpu", engine.baselines.sglang_cpu)
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    recs = tree_build._case(ctx.library, ["cpu"], 2, 15, seed, quick=True)
+    sg = next(r for r in recs if r["backend"] == "sglang-cpu")
+    assert not sg["validation"]["ok"] and "first_child" in sg["validation"]["error"], f"seed {seed}"
+    assert not sg["samples"]
+
+
+def test_real_sglang_baseline_agrees(ctx):
+    pytest.importorskip("engine.baselines.sglang_cpu",
+                        reason="engine/baselines/sglang_cpu.py (the SGLang-style path) has not landed yet")
+    from bench import tree_build
+
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    recs = tree_build._case(ctx.library, ["cpu"], 2, 15, seed, quick=True)
+    assert all(r["validation"]["ok"] for r in recs), ([r["validation"] for r in recs], seed)
