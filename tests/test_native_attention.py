@@ -29,39 +29,10 @@ def _attention():
 
 
 def reference_f64(q_lat, q_pe, kv, q_indptr, kv_indptr, vis, scale):
-    """float64 absorbed-MLA tree attention in the kernel layout: engine.mla's when it exists,
-    else this private copy (dense softmax per request; no online merging, so it is independent
-    of the kernels' algorithm)."""
-    try:
-        from engine.mla import verify_attention_ragged
-    except ImportError:
-        verify_attention_ragged = None
-    if verify_attention_ragged is not None:
-        out, lse = verify_attention_ragged(q_lat, q_pe, kv, q_indptr, kv_indptr, vis, scale)
-        return np.asarray(out, np.float64), np.asarray(lse, np.float64)
-    q_lat, q_pe, kv = (np.asarray(x, np.float64) for x in (q_lat, q_pe, kv))
-    total_q, H, dl = q_lat.shape
-    out = np.zeros((total_q, H, dl))
-    lse = np.full((total_q, H), -np.inf)
-    for b in range(len(q_indptr) - 1):
-        q0, q1, k0, k1 = q_indptr[b], q_indptr[b + 1], kv_indptr[b], kv_indptr[b + 1]
-        n, P = q1 - q0, (k1 - k0) - (q1 - q0)
-        rows = kv[k0:k1]
-        for i in range(n):
-            bits = vis[q0 + i]
-            tree_ok = [(int(bits[j // 32]) >> (j % 32)) & 1 == 1 for j in range(n)]
-            visible = np.array([True] * P + tree_ok, bool)
-            keys, vals = rows[visible], rows[visible, :dl]
-            if len(keys) == 0:
-                continue
-            q = np.concatenate([q_lat[q0 + i], q_pe[q0 + i]], axis=1)  # [H, dl + dr]
-            s = q @ keys.T * scale  # [H, visible]
-            m = s.max(axis=1, keepdims=True)
-            e = np.exp(s - m)
-            d = e.sum(axis=1, keepdims=True)
-            out[q0 + i] = (e @ vals) / d
-            lse[q0 + i] = (m + np.log(d))[:, 0]
-    return out, lse
+    """engine.mla's float64 reference in the kernel layout, on the exact (rounded) inputs."""
+    from engine.mla import verify_attention_ragged
+
+    return verify_attention_ragged(q_lat, q_pe, kv, q_indptr, kv_indptr, vis, scale)
 
 
 def random_tree_visibility(rng, n, words):
@@ -242,3 +213,18 @@ def test_cuda_matches_reference(bs, H, dl, dr, prefixes, trees, dtype):
     seed = int(np.random.SeedSequence().entropy % 2**32)
     rng = np.random.default_rng(seed)
     check(attention, random_case(rng, bs, H, dl, dr, prefixes, trees), "cuda", dtype, seed)
+
+
+def test_cpu_numpy_bf16_bits_equal_torch_bf16():
+    """numpy uint16 (raw bfloat16 bits) and torch.bfloat16 inputs are the same call: identical
+    results, bit for bit."""
+    torch = pytest.importorskip("torch")
+    attention = _attention()
+    rng = np.random.default_rng()
+    q_lat, q_pe, kv, qi, ki, vis, scale = random_case(rng, 3, 3, 64, 16, [0, 37], [1, 17])
+    tq, tp, tk = (torch.from_numpy(x).to(torch.bfloat16) for x in (q_lat, q_pe, kv))
+    out_t, lse_t = attention.verify_attention(tq, tp, tk, torch.from_numpy(qi), torch.from_numpy(ki),
+                                              torch.from_numpy(vis), scale)
+    bits = [t.view(torch.int16).numpy().view(np.uint16) for t in (tq, tp, tk)]
+    out_n, lse_n = attention.verify_attention(*bits, qi, ki, vis, scale)
+    assert np.array_equal(out_t.numpy(), out_n) and np.array_equal(lse_t.numpy(), lse_n)
