@@ -126,14 +126,17 @@ def _bootstrap_change(a, b, seed: int, reps: int = 1000) -> tuple:
 # ---------------------------------------------------------------- runs and records -------
 
 def record_key(rec: dict) -> str:
-    """A record's identity: `bench/backend` and its case parameters, or its scalar fields."""
+    """A record's identity: `bench/backend` (or `name`) and its case parameters; for other
+    shapes, its string and integer fields (floats are taken to be measurements)."""
+    case = rec.get("case") if isinstance(rec.get("case"), dict) else {}
+    tail = " ".join(f"{k}={case[k]}" for k in sorted(case))
     if "bench" in rec:
         head = "/".join(str(rec[k]) for k in ("bench", "backend") if rec.get(k) is not None)
-        case = rec.get("case") or {}
-        tail = " ".join(f"{k}={case[k]}" for k in sorted(case))
         return f"{head} {tail}".strip()
+    if "name" in rec:
+        return f"{rec['name']} {tail}".strip()
     parts = [f"{k}={v}" for k, v in sorted(rec.items())
-             if k not in _MEASURED and isinstance(v, (str, int, float, bool)) and v is not None]
+             if k not in _MEASURED and isinstance(v, (str, int, bool)) and v is not None]
     return " ".join(parts)
 
 
