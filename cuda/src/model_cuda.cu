@@ -1,0 +1,648 @@
+// model_cuda.cu: the FP32 forward pass of the target model on the CUDA backend.
+//
+// Simple kernels, one concept each (a warp per output dot product, a block per row norm, a
+// block per (token, head) attention). Determinism (engine.h): every reduction has a fixed
+// shape that depends only on the reduced length - warp dot products reduce lane-strided partial
+// sums with a fixed butterfly, block reductions use a fixed block size - and attention indexes
+// a query's keys by their rank among its visible keys (prefix rows, then visible tree rows),
+// which is the same for a tree node and for the same token decoded autoregressively.
+// Engine calls take host pointers; this file copies in and out on the engine's own stream and
+// synchronises before returning.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <map>
+#include <vector>
+
+#include "common.h"
+#include "engine.h"
+
+namespace kdt {
+namespace engine {
+
+using model::Config;
+using model::HostModel;
+
+namespace {
+
+constexpr int kWarp = 32;
+constexpr int kBlock = 256;  // threads per block of the warp-per-output kernels
+constexpr int kNormThreads = 128;  // fixed: the norm reduction order depends on it
+constexpr int kAttnThreads = 128;  // fixed: the softmax-sum reduction order depends on it
+
+__device__ __forceinline__ float warp_sum(float s) {
+  // Butterfly: every lane ends with the same value (float + is commutative).
+  for (int off = 16; off; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+  return s;
+}
+
+__device__ __forceinline__ float warp_dot(const float* a, const float* b, int n, int lane) {
+  float s = 0.f;
+  for (int k = lane; k < n; k += kWarp) s += a[k] * b[k];
+  return warp_sum(s);
+}
+
+// Fixed-shape block sum over blockDim.x == NT threads (NT a power of two).
+template <int NT>
+__device__ float block_sum(float v, float* red) {
+  red[threadIdx.x] = v;
+  __syncthreads();
+  for (int s = NT / 2; s > 0; s >>= 1) {
+    if (threadIdx.x < s) red[threadIdx.x] += red[threadIdx.x + s];
+    __syncthreads();
+  }
+  float r = red[0];
+  __syncthreads();
+  return r;
+}
+
+template <int NT>
+__device__ float block_max(float v, float* red) {
+  red[threadIdx.x] = v;
+  __syncthreads();
+  for (int s = NT / 2; s > 0; s >>= 1) {
+    if (threadIdx.x < s) red[threadIdx.x] = fmaxf(red[threadIdx.x], red[threadIdx.x + s]);
+    __syncthreads();
+  }
+  float r = red[0];
+  __syncthreads();
+  return r;
+}
+
+// x [T, D] = embed[tokens] ([V, D]).
+__global__ void embed_kernel(const float* embed, const int64_t* tokens, float* x, int T, int D) {
+  int t = blockIdx.x;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) x[size_t(t) * D + d] = embed[size_t(tokens[t]) * D + d];
+}
+
+// y [rows, n] (stride ys) = rms(x [rows, n] (stride xs)) * w; one block per row; y may alias x.
+__global__ void rmsnorm_kernel(const float* x, int xs, const float* w, float* y, int ys, int n,
+                               float eps) {
+  __shared__ float red[kNormThreads];
+  const float* xr = x + size_t(blockIdx.x) * xs;
+  float s = 0.f;
+  for (int i = threadIdx.x; i < n; i += kNormThreads) s += xr[i] * xr[i];
+  const float r = rsqrtf(block_sum<kNormThreads>(s, red) / float(n) + eps);
+  float* yr = y + size_t(blockIdx.x) * ys;
+  for (int i = threadIdx.x; i < n; i += kNormThreads) yr[i] = w[i] * (xr[i] * r);
+}
+
+// y [T, out] (+)= x [T, in] @ W^T (W [out, in]); one warp per output element.
+__global__ void linear_kernel(const float* W, const float* x, float* y, int T, int in, int out,
+                              int accumulate) {
+  const long warp = (long(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  if (warp >= long(T) * out) return;
+  const int t = int(warp / out), o = int(warp % out);
+  float s = warp_dot(W + size_t(o) * in, x + size_t(t) * in, in, lane);
+  if (lane == 0) {
+    float* dst = y + size_t(t) * out + o;
+    *dst = accumulate ? *dst + s : s;
+  }
+}
+
+// Per-token metadata of a forward batch (device): cache row of token t is
+//   cache + (slot[t] * max_seq + prefix[t] + node[t]) * KD.
+struct TokenMeta {
+  const int32_t* slot;
+  const int32_t* prefix;
+  const int32_t* node;
+  const int32_t* n_req_tokens;  // n_b of the token's request
+  const int64_t* positions;
+  const uint32_t* vis;  // [T, vis_words]
+  int vis_words;
+};
+
+__device__ __forceinline__ void rope_pair(const float* x, const float* cos_t, const float* sin_t,
+                                          int64_t pos, int half, int i, float* out) {
+  const float c = cos_t[size_t(pos) * half + i], s = sin_t[size_t(pos) * half + i];
+  const float a = x[2 * i], b = x[2 * i + 1];
+  out[2 * i] = a * c - b * s;
+  out[2 * i + 1] = a * s + b * c;
+}
+
+// Cache rows of the batch: c_kv = rms(kva[:, :C]) and k_pe = rope(kva[:, C:]); block per token.
+__global__ void kv_store_kernel(const float* kva, const float* norm_w, float eps, int C, int R,
+                                TokenMeta m, int max_seq, const float* cos_t, const float* sin_t,
+                                float* cache) {
+  __shared__ float red[kNormThreads];
+  const int t = blockIdx.x, KD = C + R;
+  const float* src = kva + size_t(t) * KD;
+  float* row = cache + (size_t(m.slot[t]) * max_seq + m.prefix[t] + m.node[t]) * KD;
+  float s = 0.f;
+  for (int i = threadIdx.x; i < C; i += kNormThreads) s += src[i] * src[i];
+  const float r = rsqrtf(block_sum<kNormThreads>(s, red) / float(C) + eps);
+  for (int i = threadIdx.x; i < C; i += kNormThreads) row[i] = norm_w[i] * (src[i] * r);
+  for (int i = threadIdx.x; i < R / 2; i += kNormThreads)
+    rope_pair(src + C, cos_t, sin_t, m.positions[t], R / 2, i, row + C);
+}
+
+// q_lat [T, H, C] = q_nope @ W_UK per head (sum over n in order); q_pe [T, H, R] = rope(q_pe).
+__global__ void q_absorb_kernel(const float* q, const float* kv_b, int T, int H, int N, int R,
+                                int Dv, int C, TokenMeta m, const float* cos_t, const float* sin_t,
+                                float* q_lat, float* q_pe) {
+  const int t = blockIdx.x / H, h = blockIdx.x % H;
+  const float* qh = q + (size_t(t) * H + h) * (N + R);
+  const float* wk = kv_b + size_t(h) * (N + Dv) * C;
+  for (int c = threadIdx.x; c < C; c += blockDim.x) {
+    float s = 0.f;
+    for (int n = 0; n < N; ++n) s += qh[n] * wk[size_t(n) * C + c];
+    q_lat[(size_t(t) * H + h) * C + c] = s;
+  }
+  for (int i = threadIdx.x; i < R / 2; i += blockDim.x)
+    rope_pair(qh + N, cos_t, sin_t, m.positions[t], R / 2, i, q_pe + (size_t(t) * H + h) * R);
+}
+
+// Absorbed attention, block per (token, head): o_lat [T, H, C]. Scratch: scores and
+// tree_list [T, H, max_seq] (the visible tree rows of the query; a prefill's can be long).
+__global__ void attention_kernel(const float* q_lat, const float* q_pe, const float* cache, int H,
+                                 int C, int R, TokenMeta m, int max_seq, float scale,
+                                 float* scores, int* tree_list, float* o_lat) {
+  __shared__ float red[kAttnThreads];
+  __shared__ int n_tree;
+  const int t = blockIdx.x / H, h = blockIdx.x % H, KD = C + R;
+  const int P = m.prefix[t], n_b = m.n_req_tokens[t];
+  const float* base = cache + size_t(m.slot[t]) * max_seq * KD;
+  int* tree_rows = tree_list + (size_t(t) * H + h) * max_seq;
+  if (threadIdx.x == 0) {  // visible tree rows in index order (= position order along a path)
+    int cnt = 0;
+    const uint32_t* v = m.vis + size_t(t) * m.vis_words;
+    for (int j = 0; j < n_b; ++j)
+      if ((v[j >> 5] >> (j & 31)) & 1u) tree_rows[cnt++] = P + j;
+    n_tree = cnt;
+  }
+  __syncthreads();
+  const int nk = P + n_tree;
+  const float* ql = q_lat + (size_t(t) * H + h) * C;
+  const float* qp = q_pe + (size_t(t) * H + h) * R;
+  float* sc = scores + (size_t(t) * H + h) * max_seq;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, nw = kAttnThreads / kWarp;
+  for (int k = warp; k < nk; k += nw) {
+    const float* row = base + size_t(k < P ? k : tree_rows[k - P]) * KD;
+    const float s = warp_dot(ql, row, C, lane) + warp_dot(qp, row + C, R, lane);
+    if (lane == 0) sc[k] = s * scale;
+  }
+  __syncthreads();
+  float mx = -INFINITY;
+  for (int k = threadIdx.x; k < nk; k += kAttnThreads) mx = fmaxf(mx, sc[k]);
+  mx = block_max<kAttnThreads>(mx, red);
+  float part = 0.f;
+  for (int k = threadIdx.x; k < nk; k += kAttnThreads) {
+    const float p = expf(sc[k] - mx);
+    sc[k] = p;
+    part += p;
+  }
+  const float sum = block_sum<kAttnThreads>(part, red);  // also orders the sc[] writes
+  for (int c = threadIdx.x; c < C; c += kAttnThreads) {
+    float acc = 0.f;
+    for (int k = 0; k < nk; ++k) acc += sc[k] * base[size_t(k < P ? k : tree_rows[k - P]) * KD + c];
+    o_lat[(size_t(t) * H + h) * C + c] = acc / sum;
+  }
+}
+
+// o [T, H*Dv] = W_UV[h] @ o_lat[t, h]; warp per output.
+__global__ void uv_kernel(const float* kv_b, const float* o_lat, float* o, int T, int H, int N,
+                          int Dv, int C) {
+  const long warp = (long(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  if (warp >= long(T) * H * Dv) return;
+  const int t = int(warp / (H * Dv)), h = int(warp / Dv % H), v = int(warp % Dv);
+  const float s = warp_dot(kv_b + (size_t(h) * (N + Dv) + N + v) * C,
+                           o_lat + (size_t(t) * H + h) * C, C, lane);
+  if (lane == 0) o[size_t(t) * H * Dv + size_t(h) * Dv + v] = s;
+}
+
+__device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
+
+// act [n] = silu(g) * u elementwise.
+__global__ void swiglu_act_kernel(const float* g, const float* u, float* act, long n) {
+  long i = long(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) act[i] = silu(g[i]) * u[i];
+}
+
+// DeepSeek-V3 noaux_tc routing, one thread per token (same logic as model_cpu.cpp's route()).
+__global__ void route_kernel(const float* logits, const float* bias, int T, int E, int G,
+                             int topk_group, int top_k, int norm_topk, float routed_scale,
+                             int* idx, float* weight) {
+  int t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= T) return;
+  const float* lg = logits + size_t(t) * E;
+  const int per = E / G;
+  float score[256], choice[256];  // E <= 256 (checked on the host)
+  bool allowed[256], taken[256];
+  for (int e = 0; e < E; ++e) {
+    score[e] = 1.0f / (1.0f + expf(-lg[e]));
+    choice[e] = score[e] + (bias ? bias[e] : 0.f);
+    allowed[e] = true;
+    taken[e] = false;
+  }
+  if (G > 1) {
+    float gscore[64];
+    bool gkeep[64];
+    for (int g = 0; g < G; ++g) {
+      float b1 = -INFINITY, b2 = -INFINITY;
+      for (int j = 0; j < per; ++j) {
+        float v = choice[g * per + j];
+        if (v > b1) { b2 = b1; b1 = v; } else if (v > b2) { b2 = v; }
+      }
+      gscore[g] = per >= 2 ? b1 + b2 : b1;
+      gkeep[g] = false;
+    }
+    for (int r = 0; r < topk_group; ++r) {
+      int best = -1;
+      for (int g = 0; g < G; ++g)
+        if (!gkeep[g] && (best < 0 || gscore[g] > gscore[best])) best = g;
+      gkeep[best] = true;
+    }
+    for (int e = 0; e < E; ++e) allowed[e] = gkeep[e / per];
+  }
+  float wsum = 0.f;
+  for (int r = 0; r < top_k; ++r) {
+    int best = -1;
+    for (int e = 0; e < E; ++e)
+      if (allowed[e] && !taken[e] && (best < 0 || choice[e] > choice[best])) best = e;
+    taken[best] = true;
+    idx[t * top_k + r] = best;
+    weight[t * top_k + r] = score[best];
+    wsum += score[best];
+  }
+  for (int r = 0; r < top_k; ++r) {
+    float w = weight[t * top_k + r];
+    if (top_k > 1 && norm_topk) w /= (wsum + 1e-20f);
+    weight[t * top_k + r] = w * routed_scale;
+  }
+}
+
+// Routed experts, up half: act [T, k, Fm] = silu(gate_e x) * up_e x; warp per (t, k, i).
+__global__ void moe_up_kernel(const float* const* e_gate, const float* const* e_up,
+                              const int* idx, const float* h, float* act, int T, int k, int D,
+                              int Fm) {
+  const long warp = (long(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  if (warp >= long(T) * k * Fm) return;
+  const int i = int(warp % Fm), tk = int(warp / Fm), t = tk / k;
+  const int e = idx[tk];
+  const float* x = h + size_t(t) * D;
+  const float g = warp_dot(e_gate[e] + size_t(i) * D, x, D, lane);
+  const float u = warp_dot(e_up[e] + size_t(i) * D, x, D, lane);
+  if (lane == 0) act[size_t(tk) * Fm + i] = silu(g) * u;
+}
+
+// Routed experts, down half: ye [T, k, D] = down_e act; warp per (t, k, o).
+__global__ void moe_down_kernel(const float* const* e_down, const int* idx, const float* act,
+                                float* ye, int T, int k, int D, int Fm) {
+  const long warp = (long(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  if (warp >= long(T) * k * D) return;
+  const int o = int(warp % D), tk = int(warp / D);
+  const float s = warp_dot(e_down[idx[tk]] + size_t(o) * Fm, act + size_t(tk) * Fm, Fm, lane);
+  if (lane == 0) ye[size_t(tk) * D + o] = s;
+}
+
+// x [T, D] += (sum_k w[t,k] ye[t,k] in k order) + shared [T, D] (shared may be null).
+__global__ void moe_combine_kernel(const float* ye, const float* w, const float* shared, float* x,
+                                   int T, int k, int D) {
+  long i = long(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= long(T) * D) return;
+  const int t = int(i / D), d = int(i % D);
+  float y = 0.f;
+  for (int r = 0; r < k; ++r) y += w[t * k + r] * ye[(size_t(t) * k + r) * D + d];
+  if (shared) y += shared[i];
+  x[i] += y;
+}
+
+// hidden [T, n_capture, D] slot ci = x.
+__global__ void capture_kernel(const float* x, float* hidden, int T, int D, int n_capture, int ci) {
+  long i = long(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= long(T) * D) return;
+  hidden[(size_t(i / D) * n_capture + ci) * D + i % D] = x[i];
+}
+
+// Compaction, both halves: tmp[l, k] = cache_l[slot, P + keep[k]], then cache_l[slot, P + k] = tmp.
+__global__ void gather_rows_kernel(float* const* caches, const int32_t* keep, float* tmp,
+                                   size_t row0, int n_keep, int KD) {
+  const int l = blockIdx.y, k = blockIdx.x;
+  const float* src = caches[l] + (row0 + keep[k]) * KD;
+  for (int i = threadIdx.x; i < KD; i += blockDim.x) tmp[(size_t(l) * n_keep + k) * KD + i] = src[i];
+}
+__global__ void scatter_rows_kernel(float* const* caches, const float* tmp, size_t row0,
+                                    int n_keep, int KD) {
+  const int l = blockIdx.y, k = blockIdx.x;
+  float* dst = caches[l] + (row0 + k) * KD;
+  for (int i = threadIdx.x; i < KD; i += blockDim.x) dst[i] = tmp[(size_t(l) * n_keep + k) * KD + i];
+}
+
+unsigned blocks_for_warps(long warps) { return unsigned((warps * kWarp + kBlock - 1) / kBlock); }
+unsigned blocks_for(long n) { return unsigned((n + kBlock - 1) / kBlock); }
+
+}  // namespace
+
+// Device copies of a layer's weights (same fields as model::LayerWeights).
+struct DevLayer {
+  const float *in_norm, *post_norm, *q_a, *q_a_norm, *q_b, *q_proj, *kv_a, *kv_a_norm, *kv_b,
+      *o_proj, *gate, *up, *down, *router, *router_bias;
+  bool moe;
+  const float** e_gate;  // device arrays of E device pointers
+  const float** e_up;
+  const float** e_down;
+};
+
+// A device buffer that grows on demand (contents not preserved).
+struct DevBuf {
+  void* p = nullptr;
+  size_t bytes = 0;
+  cudaError_t reserve(size_t n) {
+    if (n <= bytes) return cudaSuccess;
+    if (p) cudaFree(p);
+    p = nullptr;
+    bytes = 0;
+    cudaError_t e = cudaMalloc(&p, n);
+    if (e == cudaSuccess) bytes = n;
+    return e;
+  }
+  template <class T>
+  T* as() const { return static_cast<T*>(p); }
+};
+
+struct CudaState {
+  cudaStream_t stream = nullptr;
+  std::vector<void*> owned;  // every cudaMalloc of weights, tables, caches, pointer arrays
+  std::map<const float*, const float*> dev_of;  // host tensor data -> device copy
+  std::vector<DevLayer> layers;
+  const float *embed = nullptr, *final_norm = nullptr, *lm_head = nullptr, *cos_t = nullptr,
+              *sin_t = nullptr;
+  std::vector<float*> kv;  // per layer [max_slots, max_seq, KD]
+  float** kv_ptrs = nullptr;  // device copy of kv
+  // Per-forward scratch.
+  DevBuf x, h, qa, q, kva, q_lat, q_pe, o_lat, o, scores, tree_list, act, act2, ye, ys, rlogits, ridx, rw,
+      logits, hidden, tokens, positions, vis, meta, keep, tmp;
+};
+
+namespace {
+
+const char* kFwd = "kdt_engine_forward";
+
+kdt_status upload(CudaState& s, const void* host, size_t bytes, void** dev, const char* fn) {
+  KDT_CUDA_CHECK(cudaMalloc(dev, bytes), fn);
+  s.owned.push_back(*dev);
+  KDT_CUDA_CHECK(cudaMemcpy(*dev, host, bytes, cudaMemcpyHostToDevice), fn);
+  return KDT_OK;
+}
+
+}  // namespace
+
+kdt_status cuda_init(Engine& e) {
+  const char* fn = "kdt_engine_create";
+  const HostModel& m = e.model;
+  const Config& c = m.cfg;
+  if (c.n_routed > 256 || c.n_group > 64)
+    return set_error(KDT_ERR_UNSUPPORTED, fn, "%s: n_routed_experts %d > 256 or n_group %d > 64 "
+                     "is not supported by the CUDA router", m.dir.c_str(), c.n_routed, c.n_group);
+  if (!c.sigmoid_router)
+    return set_error(KDT_ERR_UNSUPPORTED, fn, "%s: scoring_func softmax is CPU-only", m.dir.c_str());
+  int ndev = 0;
+  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
+    cudaGetLastError();
+    return set_error(KDT_ERR_CUDA, fn, "no CUDA device is visible");
+  }
+  e.cuda = new CudaState();
+  CudaState& s = *e.cuda;
+  KDT_CUDA_CHECK(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking), fn);
+  for (const auto& kv : m.tensors) {
+    void* d = nullptr;
+    kdt_status st = upload(s, kv.second.data.data(), kv.second.data.size() * sizeof(float), &d, fn);
+    if (st != KDT_OK) return st;
+    s.dev_of[kv.second.data.data()] = static_cast<const float*>(d);
+  }
+  auto dev = [&](const float* hp) -> const float* {
+    if (!hp) return nullptr;
+    auto it = s.dev_of.find(hp);
+    return it == s.dev_of.end() ? nullptr : it->second;
+  };
+  s.embed = dev(m.embed);
+  s.final_norm = dev(m.final_norm);
+  s.lm_head = dev(m.lm_head);
+  void* d = nullptr;
+  kdt_status st = upload(s, m.cos_table.data(), m.cos_table.size() * sizeof(float), &d, fn);
+  if (st != KDT_OK) return st;
+  s.cos_t = static_cast<const float*>(d);
+  st = upload(s, m.sin_table.data(), m.sin_table.size() * sizeof(float), &d, fn);
+  if (st != KDT_OK) return st;
+  s.sin_t = static_cast<const float*>(d);
+  for (const auto& w : m.layer) {
+    DevLayer L{};
+    L.in_norm = dev(w.in_norm); L.post_norm = dev(w.post_norm);
+    L.q_a = dev(w.q_a); L.q_a_norm = dev(w.q_a_norm); L.q_b = dev(w.q_b); L.q_proj = dev(w.q_proj);
+    L.kv_a = dev(w.kv_a); L.kv_a_norm = dev(w.kv_a_norm); L.kv_b = dev(w.kv_b);
+    L.o_proj = dev(w.o_proj); L.gate = dev(w.gate); L.up = dev(w.up); L.down = dev(w.down);
+    L.router = dev(w.router); L.router_bias = dev(w.router_bias);
+    L.moe = w.moe;
+    if (w.moe) {
+      std::vector<const float*> g, u, dn;
+      for (size_t x = 0; x < w.e_gate.size(); ++x) {
+        g.push_back(dev(w.e_gate[x])); u.push_back(dev(w.e_up[x])); dn.push_back(dev(w.e_down[x]));
+      }
+      const size_t bytes = g.size() * sizeof(float*);
+      if ((st = upload(s, g.data(), bytes, &d, fn)) != KDT_OK) return st;
+      L.e_gate = static_cast<const float**>(d);
+      if ((st = upload(s, u.data(), bytes, &d, fn)) != KDT_OK) return st;
+      L.e_up = static_cast<const float**>(d);
+      if ((st = upload(s, dn.data(), bytes, &d, fn)) != KDT_OK) return st;
+      L.e_down = static_cast<const float**>(d);
+    }
+    s.layers.push_back(L);
+  }
+  const size_t per_layer = size_t(e.max_slots) * e.max_seq * c.kv_dim() * sizeof(float);
+  for (int l = 0; l < c.layers; ++l) {
+    void* p = nullptr;
+    if (cudaMalloc(&p, per_layer) != cudaSuccess) {
+      cudaGetLastError();
+      return set_error(KDT_ERR_OUT_OF_MEMORY, fn, "cannot allocate the KV cache: %d layers x "
+                       "%zu bytes (max_slots %d x max_seq %d)", c.layers, per_layer, e.max_slots,
+                       e.max_seq);
+    }
+    s.owned.push_back(p);
+    KDT_CUDA_CHECK(cudaMemset(p, 0, per_layer), fn);
+    s.kv.push_back(static_cast<float*>(p));
+  }
+  if ((st = upload(s, s.kv.data(), s.kv.size() * sizeof(float*), &d, fn)) != KDT_OK) return st;
+  s.kv_ptrs = static_cast<float**>(d);
+  return KDT_OK;
+}
+
+void cuda_free(Engine& e) {
+  CudaState* s = e.cuda;
+  if (!s) return;
+  if (s->stream) cudaStreamSynchronize(s->stream);
+  for (void* p : s->owned) cudaFree(p);
+  for (DevBuf* b : {&s->x, &s->h, &s->qa, &s->q, &s->kva, &s->q_lat, &s->q_pe, &s->o_lat, &s->o,
+                    &s->scores, &s->tree_list, &s->act, &s->act2, &s->ye, &s->ys, &s->rlogits, &s->ridx, &s->rw,
+                    &s->logits, &s->hidden, &s->tokens, &s->positions, &s->vis, &s->meta,
+                    &s->keep, &s->tmp})
+    if (b->p) cudaFree(b->p);
+  if (s->stream) cudaStreamDestroy(s->stream);
+  delete s;
+  e.cuda = nullptr;
+}
+
+kdt_status forward_cuda(Engine& e, const Batch& b) {
+  const char* fn = kFwd;
+  CudaState& s = *e.cuda;
+  const HostModel& m = e.model;
+  const Config& c = m.cfg;
+  const int T = b.total, D = c.hidden, H = c.heads, C = c.kv_lora, R = c.rope, N = c.nope,
+            Dv = c.v_head, QH = c.q_head(), KD = c.kv_dim(), K = c.top_k;
+  const float eps = float(c.rms_eps);
+  cudaStream_t st = s.stream;
+  const size_t f = sizeof(float);
+
+  // Host-side per-token metadata: slot, prefix, node, n_b (int32 each, packed in one buffer).
+  std::vector<int32_t> meta(size_t(4) * T);
+  for (int r = 0; r < b.n_req; ++r)
+    for (int t = b.q_indptr[r]; t < b.q_indptr[r + 1]; ++t) {
+      meta[t] = b.slots[r];
+      meta[T + t] = b.prefix[r];
+      meta[2 * T + t] = t - b.q_indptr[r];
+      meta[3 * T + t] = b.q_indptr[r + 1] - b.q_indptr[r];
+    }
+  const int ffn_w = std::max({c.inter, m.shared_inter, 1});
+  const int moe_w = std::max(K * c.moe_inter, 1);
+  struct { DevBuf* buf; size_t bytes; } need[] = {
+      {&s.x, size_t(T) * D * f}, {&s.h, size_t(T) * D * f},
+      {&s.qa, size_t(T) * std::max(c.q_lora, 1) * f}, {&s.q, size_t(T) * H * QH * f},
+      {&s.kva, size_t(T) * KD * f}, {&s.q_lat, size_t(T) * H * C * f},
+      {&s.q_pe, size_t(T) * H * R * f}, {&s.o_lat, size_t(T) * H * C * f},
+      {&s.o, size_t(T) * H * Dv * f}, {&s.scores, size_t(T) * H * e.max_seq * f},
+      {&s.tree_list, size_t(T) * H * e.max_seq * sizeof(int)},
+      {&s.act, size_t(T) * std::max(ffn_w, moe_w) * f}, {&s.act2, size_t(T) * ffn_w * f},
+      {&s.ye, size_t(T) * std::max(K, 1) * D * f}, {&s.ys, size_t(T) * D * f},
+      {&s.rlogits, size_t(T) * std::max(c.n_routed, 1) * f},
+      {&s.ridx, size_t(T) * std::max(K, 1) * sizeof(int)}, {&s.rw, size_t(T) * std::max(K, 1) * f},
+      {&s.logits, size_t(T) * c.vocab * f},
+      {&s.hidden, size_t(T) * std::max(b.n_capture, 1) * D * f},
+      {&s.tokens, size_t(T) * 8}, {&s.positions, size_t(T) * 8},
+      {&s.vis, size_t(T) * b.vis_words * 4}, {&s.meta, meta.size() * 4}};
+  for (auto& n : need) {
+    cudaError_t err = n.buf->reserve(n.bytes);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      return set_error(KDT_ERR_OUT_OF_MEMORY, fn, "cannot allocate %zu bytes of scratch for %d "
+                       "tokens: %s", n.bytes, T, cudaGetErrorString(err));
+    }
+  }
+  KDT_CUDA_CHECK(cudaMemcpyAsync(s.tokens.p, b.tokens, size_t(T) * 8, cudaMemcpyHostToDevice, st), fn);
+  KDT_CUDA_CHECK(cudaMemcpyAsync(s.positions.p, b.positions, size_t(T) * 8, cudaMemcpyHostToDevice, st), fn);
+  KDT_CUDA_CHECK(cudaMemcpyAsync(s.vis.p, b.visibility, size_t(T) * b.vis_words * 4, cudaMemcpyHostToDevice, st), fn);
+  KDT_CUDA_CHECK(cudaMemcpyAsync(s.meta.p, meta.data(), meta.size() * 4, cudaMemcpyHostToDevice, st), fn);
+  const int32_t* md = s.meta.as<int32_t>();
+  TokenMeta tm{md, md + T, md + 2 * T, md + 3 * T, s.positions.as<int64_t>(),
+               s.vis.as<uint32_t>(), b.vis_words};
+  float *x = s.x.as<float>(), *h = s.h.as<float>();
+  auto linear = [&](const float* W, const float* in, float* out, int in_dim, int out_dim, int acc) {
+    linear_kernel<<<blocks_for_warps(long(T) * out_dim), kBlock, 0, st>>>(W, in, out, T, in_dim,
+                                                                          out_dim, acc);
+  };
+  auto capture = [&](int k) {
+    for (int ci = 0; ci < b.n_capture; ++ci)
+      if (b.capture[ci] == k)
+        capture_kernel<<<blocks_for(long(T) * D), kBlock, 0, st>>>(x, s.hidden.as<float>(), T, D,
+                                                                   b.n_capture, ci);
+  };
+
+  embed_kernel<<<T, 128, 0, st>>>(s.embed, s.tokens.as<int64_t>(), x, T, D);
+  capture(0);
+  for (int l = 0; l < c.layers; ++l) {
+    const DevLayer& w = s.layers[l];
+    rmsnorm_kernel<<<T, kNormThreads, 0, st>>>(x, D, w.in_norm, h, D, D, eps);
+    if (c.q_lora > 0) {
+      linear(w.q_a, h, s.qa.as<float>(), D, c.q_lora, 0);
+      rmsnorm_kernel<<<T, kNormThreads, 0, st>>>(s.qa.as<float>(), c.q_lora, w.q_a_norm,
+                                                 s.qa.as<float>(), c.q_lora, c.q_lora, eps);
+      linear(w.q_b, s.qa.as<float>(), s.q.as<float>(), c.q_lora, H * QH, 0);
+    } else {
+      linear(w.q_proj, h, s.q.as<float>(), D, H * QH, 0);
+    }
+    linear(w.kv_a, h, s.kva.as<float>(), D, KD, 0);
+    kv_store_kernel<<<T, kNormThreads, 0, st>>>(s.kva.as<float>(), w.kv_a_norm, eps, C, R, tm,
+                                                e.max_seq, s.cos_t, s.sin_t, s.kv[l]);
+    q_absorb_kernel<<<T * H, 128, 0, st>>>(s.q.as<float>(), w.kv_b, T, H, N, R, Dv, C, tm,
+                                           s.cos_t, s.sin_t, s.q_lat.as<float>(), s.q_pe.as<float>());
+    attention_kernel<<<T * H, kAttnThreads, 0, st>>>(s.q_lat.as<float>(), s.q_pe.as<float>(),
+                                                     s.kv[l], H, C, R, tm, e.max_seq,
+                                                     float(c.softmax_scale), s.scores.as<float>(),
+                                                     s.tree_list.as<int>(), s.o_lat.as<float>());
+    uv_kernel<<<blocks_for_warps(long(T) * H * Dv), kBlock, 0, st>>>(w.kv_b, s.o_lat.as<float>(),
+                                                                     s.o.as<float>(), T, H, N, Dv, C);
+    linear(w.o_proj, s.o.as<float>(), x, H * Dv, D, 1);  // x += o_proj(o)
+
+    rmsnorm_kernel<<<T, kNormThreads, 0, st>>>(x, D, w.post_norm, h, D, D, eps);
+    const float* shared = nullptr;
+    if (w.gate) {  // dense FFN, or the shared experts of an MoE layer
+      const int F = w.moe ? m.shared_inter : c.inter;
+      linear(w.gate, h, s.act.as<float>(), D, F, 0);
+      linear(w.up, h, s.act2.as<float>(), D, F, 0);
+      swiglu_act_kernel<<<blocks_for(long(T) * F), kBlock, 0, st>>>(
+          s.act.as<float>(), s.act2.as<float>(), s.act.as<float>(), long(T) * F);
+      if (!w.moe) {
+        linear(w.down, s.act.as<float>(), x, F, D, 1);
+      } else {
+        linear(w.down, s.act.as<float>(), s.ys.as<float>(), F, D, 0);
+        shared = s.ys.as<float>();
+      }
+    }
+    if (w.moe) {
+      linear(w.router, h, s.rlogits.as<float>(), D, c.n_routed, 0);
+      route_kernel<<<blocks_for(T), kBlock, 0, st>>>(s.rlogits.as<float>(), w.router_bias, T,
+                                                     c.n_routed, c.n_group, c.topk_group, K,
+                                                     c.norm_topk ? 1 : 0, float(c.routed_scale),
+                                                     s.ridx.as<int>(), s.rw.as<float>());
+      moe_up_kernel<<<blocks_for_warps(long(T) * K * c.moe_inter), kBlock, 0, st>>>(
+          w.e_gate, w.e_up, s.ridx.as<int>(), h, s.act.as<float>(), T, K, D, c.moe_inter);
+      moe_down_kernel<<<blocks_for_warps(long(T) * K * D), kBlock, 0, st>>>(
+          w.e_down, s.ridx.as<int>(), s.act.as<float>(), s.ye.as<float>(), T, K, D, c.moe_inter);
+      moe_combine_kernel<<<blocks_for(long(T) * D), kBlock, 0, st>>>(
+          s.ye.as<float>(), s.rw.as<float>(), shared, x, T, K, D);
+    }
+    capture(l + 1);
+  }
+  rmsnorm_kernel<<<T, kNormThreads, 0, st>>>(x, D, s.final_norm, x, D, D, eps);
+  capture(c.layers + 1);
+  if (b.logits) linear(s.lm_head, x, s.logits.as<float>(), D, c.vocab, 0);
+  KDT_CUDA_CHECK(cudaGetLastError(), fn);
+  if (b.logits)
+    KDT_CUDA_CHECK(cudaMemcpyAsync(b.logits, s.logits.p, size_t(T) * c.vocab * f,
+                                   cudaMemcpyDeviceToHost, st), fn);
+  if (b.hidden && b.n_capture > 0)
+    KDT_CUDA_CHECK(cudaMemcpyAsync(b.hidden, s.hidden.p, size_t(T) * b.n_capture * D * f,
+                                   cudaMemcpyDeviceToHost, st), fn);
+  KDT_CUDA_CHECK(cudaStreamSynchronize(st), fn);
+  return KDT_OK;
+}
+
+kdt_status commit_cuda(Engine& e, int slot, int n_keep, const int32_t* keep) {
+  const char* fn = "kdt_engine_commit";
+  CudaState& s = *e.cuda;
+  const int KD = e.model.cfg.kv_dim(), layers = e.model.cfg.layers, P = e.seq_len[slot];
+  if (n_keep > 0) {
+    if (s.keep.reserve(size_t(n_keep) * 4) != cudaSuccess ||
+        s.tmp.reserve(size_t(layers) * n_keep * KD * sizeof(float)) != cudaSuccess) {
+      cudaGetLastError();
+      return set_error(KDT_ERR_OUT_OF_MEMORY, fn, "cannot allocate compaction scratch");
+    }
+    KDT_CUDA_CHECK(cudaMemcpyAsync(s.keep.p, keep, size_t(n_keep) * 4, cudaMemcpyHostToDevice,
+                                   s.stream), fn);
+    const size_t row0 = size_t(slot) * e.max_seq + P;
+    dim3 grid(n_keep, layers);
+    // Two launches: every kept row is read (into tmp) before any is written.
+    gather_rows_kernel<<<grid, 128, 0, s.stream>>>(s.kv_ptrs, s.keep.as<int32_t>(),
+                                                   s.tmp.as<float>(), row0, n_keep, KD);
+    scatter_rows_kernel<<<grid, 128, 0, s.stream>>>(s.kv_ptrs, s.tmp.as<float>(), row0, n_keep, KD);
+    KDT_CUDA_CHECK(cudaGetLastError(), fn);
+    KDT_CUDA_CHECK(cudaStreamSynchronize(s.stream), fn);
+  }
+  e.seq_len[slot] = P + n_keep;
+  return KDT_OK;
+}
+
+}  // namespace engine
+}  // namespace kdt
