@@ -132,21 +132,26 @@ def commit_paths(repo_root: Path, paths: list[str], message: str) -> str:
 
 
 def write_report(repo_root: Path, host: str, log) -> list[str]:
-    """Regenerate docs/BENCHMARKS_<host>.md; the paths it wrote (relative), [] when unavailable."""
+    """Regenerate docs/BENCHMARKS_<host>.md and its plots; returns the report paths to commit
+    (written, or tracked and now deleted), [] when no report could be made. The report is derived
+    from results/, so a failure here is said and the results are committed anyway."""
     try:
         from .report import write_report as report
     except ImportError as e:
         log(f"report: not regenerated: engine.remote.report is not available ({e})")
         return []
     docs = repo_root / "docs"
-    written = report(repo_root / "results" / host, docs)
-    if isinstance(written, (list, tuple)):
-        paths = [Path(p) for p in written]
-    else:
-        paths = list(docs.glob(f"BENCHMARKS_{host}*"))
-    rel = [str((p if p.is_absolute() else repo_root / p).resolve().relative_to(repo_root.resolve())) for p in paths]
-    log(f"report: wrote {', '.join(rel) or 'nothing'}")
-    return rel
+    try:
+        report(repo_root / "results" / host, docs)
+    except (ValueError, OSError) as e:  # e.g. only test runs so far: nothing to report
+        log(f"report: not regenerated: {e}")
+        return []
+    patterns = [f"docs/BENCHMARKS_{host}.md", f"docs/BENCHMARKS_{host}_*.png"]
+    now = {str(p.relative_to(repo_root)) for pat in patterns for p in repo_root.glob(pat)}
+    tracked = set(_git(repo_root, "ls-files", "--", *patterns).split())
+    paths = sorted(now | tracked)
+    log(f"report: regenerated {', '.join(sorted(now)) or 'nothing'}")
+    return paths
 
 
 def _download(t: Transport, remote_run: str, dest: Path, manifest: dict) -> list[str]:
