@@ -56,7 +56,8 @@ if [ "$generator" = auto ]; then
 fi
 if [ "$generator" = cmake ]; then
   [ -f "$here/cmake_build.sh" ] || die "--generator cmake: cuda/cmake_build.sh is missing"
-  exec bash "$here/cmake_build.sh" --arch "$arch" --out "$out" --jobs "$jobs"
+  dbg=(); [ "$debug" = 1 ] && dbg=(--debug)
+  exec bash "$here/cmake_build.sh" --arch "$arch" --out "$out" --jobs "$jobs" "${dbg[@]}"
 fi
 [ "$generator" = direct ] || { echo "error: build: --generator must be auto, direct or cmake" >&2; exit 5; }
 
@@ -94,7 +95,7 @@ if [ "$use_cuda" = 1 ]; then
 fi
 printf '%s\n' "${cmds[@]}" >>"$log"
 echo "build: compiling ${#cmds[@]} sources for --arch $arch with $jobs jobs"
-printf '%s\n' "${cmds[@]}" | xargs -P "$jobs" -I{} bash -c '{} || { echo "error: build: failed: {}" >&2; exit 255; }' \
+printf '%s\n' "${cmds[@]}" | xargs -d '\n' -P "$jobs" -I{} bash -c '{} || { echo "error: build: failed: {}" >&2; exit 255; }' \
   || die "compilation failed (the failing command is printed above)"
 
 # ---- link the library ----------------------------------------------------------------------
@@ -112,11 +113,11 @@ for src in "$here"/tests/*.cpp "$here"/bench/*.cpp; do
   [ -e "$src" ] || continue
   case "$(basename "$src")" in _*) continue ;; esac   # _*.cpp: shared helpers, included
   prog="$out/$(basename "${src%.cpp}")"
-  prog_cmds+=("g++ ${cxxflags[*]} -I$here/tests $src -o $prog -L$out -lkdtree -Wl,-rpath,\$ORIGIN")
+  prog_cmds+=("g++ ${cxxflags[*]} -I$here/tests $src -o $prog -L$out -lkdtree -Wl,-rpath,\\\$ORIGIN")
 done
 printf '%s\n' "${prog_cmds[@]}" >>"$log"
 if [ ${#prog_cmds[@]} -gt 0 ]; then
-  printf '%s\n' "${prog_cmds[@]}" | xargs -P "$jobs" -I{} bash -c '{} || { echo "error: build: failed: {}" >&2; exit 255; }' \
+  printf '%s\n' "${prog_cmds[@]}" | xargs -d '\n' -P "$jobs" -I{} bash -c '{} || { echo "error: build: failed: {}" >&2; exit 255; }' \
     || die "building the test or benchmark programs failed"
 fi
 
