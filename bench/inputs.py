@@ -27,9 +27,10 @@ def round_bf16(x: np.ndarray) -> np.ndarray:
     return u.astype(np.uint32).view(np.float32)
 
 
-def tree_inputs(rng: np.random.Generator, bs: int, L: int, K: int, vocab: int = 163840) -> dict:
+def tree_inputs(rng: np.random.Generator, bs: int, L: int, K: int, vocab: int = 163840,
+                seq_len: int | None = None) -> dict:
     """top_logp f32 [bs, L, K] (rows sorted descending, ties), top_ids i64 [bs, L, K],
-    root_ids i64 [bs], seq_lens i64 [bs]."""
+    root_ids i64 [bs], seq_lens i64 [bs] (all `seq_len` when given, else random in [1, 32k))."""
     V = max(2 * K, 256)  # the candidate row: the K best of V bf16 logits
     logits = round_bf16(rng.standard_normal((bs, L, V), dtype=np.float32) * 3.0)
     m = logits.max(axis=2, keepdims=True)
@@ -45,7 +46,8 @@ def tree_inputs(rng: np.random.Generator, bs: int, L: int, K: int, vocab: int = 
         "top_logp": top_logp,
         "top_ids": top_ids,
         "root_ids": rng.integers(0, vocab, bs, dtype=np.int64),
-        "seq_lens": rng.integers(1, 32768, bs, dtype=np.int64),
+        "seq_lens": (np.full(bs, seq_len, np.int64) if seq_len is not None
+                     else rng.integers(1, 32768, bs, dtype=np.int64)),
     }
 
 

@@ -27,6 +27,9 @@ from bench.validate import TREE_FIELDS, check_exact, sample_requests
 
 NAME = "tree_build"
 L = 15
+# Every request's committed length: the SGLang-style path builds a [n, seq_len + n] bool mask per
+# request, so its cost grows with it; one fixed value keeps runs comparable.
+SEQ_LEN = 4096
 # Names the SGLang-style output may use for our arrays (SGLang's own names second).
 _ALIASES = {
     "tokens": ("tokens", "draft_tokens"),
@@ -35,6 +38,9 @@ _ALIASES = {
     "next_sibling": ("next_sibling", "retrive_next_sibling"),
     "parents": ("parents",),
     "depths": ("depths",),
+    "num_nodes": ("num_nodes",),
+    "scores": ("scores",),
+    "visibility": ("visibility",),  # packed on access by the baseline: read only to validate
 }
 
 
@@ -117,8 +123,8 @@ def _case(lib, devices, bs, budget, seed, quick) -> list:
 
     rng = np.random.default_rng(seed)
     K = min(budget, 64)
-    case = {"bs": bs, "budget": budget, "L": L, "K": K}
-    inp = tree_inputs(rng, bs, L, K)
+    case = {"bs": bs, "budget": budget, "L": L, "K": K, "seq_len": SEQ_LEN}
+    inp = tree_inputs(rng, bs, L, K, seq_len=SEQ_LEN)
     rows = sample_requests(bs, budget)
     ref = ddtree.build_tree(*(inp[k][rows] for k in ("top_logp", "top_ids")), budget,
                             *(inp[k][rows] for k in ("root_ids", "seq_lens")))
@@ -172,21 +178,28 @@ def _case(lib, devices, bs, budget, seed, quick) -> list:
 
 
 def run(ctx) -> dict:
+    import os
+
+    import torch
+
     lib = ctx.require_library("suite tree_build")
     devices = [d for d in ctx.devices if d == "cpu" or lib.has_cuda]
     root = np.random.SeedSequence()
     g = grid(ctx.quick)
+    params = {"L": L, "K": "min(budget, 64)", "seq_len": SEQ_LEN, "grid": g, "devices": devices,
+              "sglang_device": "cuda" if "cuda" in devices else "cpu",
+              # the SGLang-style path's small torch ops are sensitive to intra-op threads on a
+              # busy machine: recorded so that a slow baseline can be told from a loaded host
+              "torch_threads": torch.get_num_threads(), "load_avg_before": list(os.getloadavg()),
+              "seed_entropy": str(root.entropy),
+              "speedup": "median(sglang path) / median(native backend), same inputs"}
+    if "cuda" in ctx.devices and "cuda" not in devices:
+        params["note"] = f"{lib.path} is a CPU-only build: no native-cuda backend timed"
     results = []
     for bs in g["bs"]:
         for budget in g["budget"]:
             seed = int(root.spawn(1)[0].generate_state(1)[0])
             results += _case(lib, devices, bs, budget, seed, ctx.quick)
-    params = {"L": L, "K": "min(budget, 64)", "grid": g, "devices": devices,
-              "sglang_device": "cuda" if "cuda" in devices else "cpu",
-              "seed_entropy": str(root.entropy),
-              "speedup": "median(sglang path) / median(native backend), same inputs"}
-    if "cuda" in ctx.devices and "cuda" not in devices:
-        params["note"] = f"{lib.path} is a CPU-only build: no native-cuda backend timed"
     return {"params": params, "results": results, "table": table(results)}
 
 
