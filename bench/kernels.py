@@ -167,9 +167,14 @@ def _attention_case(lib, device, bs, prefix, tree, dtype, seed, timer, ceil) -> 
     heads_sub = list(range(nh)) if nh == KIMI_K2["heads"] else sorted(
         set(np.linspace(0, KIMI_K2["heads"] - 1, nh).astype(int).tolist()))
     ref_out, ref_lse = _attention_reference(a, rows_req, prefix, tree, heads_sub)
-    q_rows = np.concatenate([np.arange(b * tree, (b + 1) * tree) for b in rows_req])
-    got_out = to_numpy(prep.outputs["out"][q_rows][:, heads_sub])
-    got_lse = to_numpy(prep.outputs["lse"][q_rows][:, heads_sub])
+    import torch
+
+    out_t, lse_t = prep.outputs["out"], prep.outputs["lse"]
+    q_rows = torch.as_tensor(np.concatenate([np.arange(b * tree, (b + 1) * tree) for b in rows_req]),
+                             device=out_t.device)
+    h_idx = torch.as_tensor(heads_sub, device=out_t.device)
+    got_out = to_numpy(out_t[q_rows][:, h_idx])
+    got_lse = to_numpy(lse_t[q_rows][:, h_idx])
     checked = (f"requests {rows_req}, heads "
                f"{'all' if nh == KIMI_K2['heads'] else heads_sub} of {KIMI_K2['heads']}")
     v = check_close({"out": (got_out, ref_out), "lse": (got_lse, ref_lse)}, ATTENTION_TOL, checked)

@@ -83,10 +83,11 @@ def time_cuda(fn: Callable[[], object], warmup: int = 5, reps: int = 50, flush_l
     """Samples (s) of `fn()` between two CUDA events on the current stream.
 
     `fn` must only enqueue work (no host synchronisation inside, or the sample includes it, which
-    is right for paths that sync by design, such as the SGLang-style tree build). With
-    `flush_l2`, a buffer of 2x L2 is zero-filled before each rep, outside the events.
-    With `budget_s`, reps stop once the summed device time passes it (checked every 8 reps,
-    never before `min_reps`).
+    is right for paths that sync by design). With `flush_l2`, a buffer of 2x L2 is zero-filled
+    before each rep, outside the events. The reps are enqueued back to back without host syncs
+    (so a small kernel's launch overhead hides behind the flush or the previous rep); with
+    `budget_s`, their number is cut to fit the budget, estimated from the first warm-up call,
+    and a call slower than half the budget gets no further warm-up.
     """
     import torch
 
@@ -96,14 +97,21 @@ def time_cuda(fn: Callable[[], object], warmup: int = 5, reps: int = 50, flush_l
     flush = None
     if flush_l2:
         flush = torch.empty(l2_flush_bytes() // 4, dtype=torch.float32, device="cuda")
-    for _ in range(warmup):
+    torch.cuda.synchronize()
+    for i in range(warmup):
         if flush is not None:
             flush.zero_()
+        t0 = time.perf_counter()
         fn()
+        if i == 0 and budget_s is not None:
+            torch.cuda.synchronize()
+            first = time.perf_counter() - t0
+            reps = max(min(reps, min_reps), min(reps, int(budget_s / max(first, 1e-7))))
+            if first > budget_s / 2:
+                break
     torch.cuda.synchronize()
     pairs = []
-    samples: list[float] = []
-    for i in range(reps):
+    for _ in range(reps):
         if flush is not None:
             flush.zero_()
         start = torch.cuda.Event(enable_timing=True)
@@ -112,13 +120,8 @@ def time_cuda(fn: Callable[[], object], warmup: int = 5, reps: int = 50, flush_l
         fn()
         end.record()
         pairs.append((start, end))
-        if budget_s is not None and (i + 1) % 8 == 0 and len(pairs) >= min_reps:
-            end.synchronize()
-            if sum(s.elapsed_time(e) for s, e in pairs) * 1e-3 >= budget_s:
-                break
     torch.cuda.synchronize()
-    for s, e in pairs:
-        samples.append(s.elapsed_time(e) * 1e-3)  # elapsed_time is in ms
+    samples = [s.elapsed_time(e) * 1e-3 for s, e in pairs]  # elapsed_time is in ms
     if not all(math.isfinite(v) and v >= 0 for v in samples):
         raise RuntimeError(f"time_cuda: events returned invalid times {samples[:4]}")
     return samples
