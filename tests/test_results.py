@@ -1,0 +1,161 @@
+"""The results store (engine/remote/results.py): verification, run selection, the commit."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.remote import results
+from engine.remote.errors import UsageError
+from engine.remote.inventory import parse_host
+from engine.remote.plan import Options
+from engine.remote.progress import Progress
+
+REPO = Path(__file__).resolve().parent.parent
+GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.invalid",
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.invalid"}
+
+
+def git(repo: Path, *args: str) -> str:
+    r = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, env={**os.environ, **GIT_ENV})
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+@pytest.fixture
+def repo(tmp_path, monkeypatch):
+    for k, v in GIT_ENV.items():
+        monkeypatch.setenv(k, v)
+    r = tmp_path / "repo"
+    r.mkdir()
+    git(r, "init", "-q", "-b", "main")
+    (r / "code.py").write_text("x = 1\n")
+    git(r, "add", "code.py")
+    git(r, "commit", "-q", "-m", "init")
+    return r
+
+
+@pytest.fixture
+def host(tmp_path):
+    return parse_host("box", {"transport": "local", "remote_dir": str(tmp_path / "remote"), "cuda_arch": "cpu"}, source=None)
+
+
+def make_run(host, run_id: str, *, dirty: bool = False, complete: bool = True) -> Path:
+    """A run folder on the (local) host, finalized by the real runner."""
+    d = Path(host.remote_dir) / "runs" / run_id
+    d.mkdir(parents=True)
+    req = {"run_id": run_id, "kind": "bench", "host": {"name": host.name, "address": "x"},
+           "git": {"sha": "d" * 40, "dirty": dirty, "diff_sha256": "e" * 64 if dirty else None},
+           "steps": [{"name": "b", "argv": [sys.executable, "-c", f"open('{d}/r.json', 'w').write('{{}}')"]}]}
+    (d / "request.json").write_text(json.dumps(req))
+    if complete:
+        subprocess.run([sys.executable, "-m", "engine.remote.runner", str(d)], cwd=REPO, check=True,
+                       env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True)
+    return d
+
+
+def fetch(host, repo, **opts):
+    return results.fetch_results(host, repo, Options(**opts), Progress([host.name], live=False))
+
+
+def test_verify_folder_names_every_defect(tmp_path):
+    (tmp_path / "a").write_bytes(b"abc")
+    (tmp_path / "b").write_bytes(b"abcd")
+    (tmp_path / "c").write_bytes(b"abc")
+    sha = results.sha256_file(tmp_path / "a")
+    m = {"files": [{"path": "a", "size": 3, "sha256": sha}, {"path": "b", "size": 3, "sha256": sha},
+                   {"path": "c", "size": 3, "sha256": "0" * 64}, {"path": "gone", "size": 1, "sha256": sha},
+                   {"path": "../escape", "size": 1, "sha256": sha}, {"path": "/abs", "size": 1, "sha256": sha}]}
+    problems = results.verify_folder(tmp_path, m)
+    assert len(problems) == 5
+    assert problems[0].startswith("b: size 4") and problems[1].startswith("c: sha256")
+    assert problems[2] == "gone: missing" and "leaves the run folder" in problems[3] and "leaves" in problems[4]
+    assert results.verify_folder(tmp_path, {"files": m["files"][:1]}) == []
+
+
+def test_select_runs():
+    remote = [("r1", True), ("r2", True), ("r3", False)]
+    assert results.select_runs(remote, {"r1"}, None) == (["r2"], ["r3"])
+    assert results.select_runs(remote, {"r1"}, "all") == (["r1", "r2"], ["r3"])
+    assert results.select_runs(remote, set(), "latest") == (["r2"], [])
+    assert results.select_runs(remote, set(), "r1") == (["r1"], [])
+    assert results.select_runs(remote, set(), "r3") == ([], ["r3"])
+    with pytest.raises(UsageError, match="no run 'r9'.*r1, r2, r3"):
+        results.select_runs(remote, set(), "r9")
+
+
+def test_commit_paths_commits_only_those_paths(repo):
+    (repo / "code.py").write_text("x = 2\n")           # unstaged change
+    (repo / "staged.py").write_text("y = 1\n")
+    git(repo, "add", "staged.py")                      # staged change
+    (repo / "results/h/r1").mkdir(parents=True)
+    (repo / "results/h/r1/manifest.json").write_text("{}")
+    results.commit_paths(repo, ["results/h/r1"], "results: h: r1\n")
+    assert git(repo, "show", "--name-only", "--format=", "HEAD").split() == ["results/h/r1/manifest.json"]
+    status = git(repo, "status", "--porcelain").splitlines()
+    assert " M code.py" in status and "A  staged.py" in status
+
+
+def test_fetch_verifies_renames_and_commits(repo, host):
+    make_run(host, "20260101T000000Z-ddddddd-bench")
+    make_run(host, "20260101T000001Z-ddddddd-bench")
+    make_run(host, "20260101T000002Z-ddddddd-bench", complete=False)
+    head = git(repo, "rev-parse", "HEAD").strip()
+    out = fetch(host, repo)
+    assert out.error is None, out.error
+    assert out.run_ids == ["20260101T000000Z-ddddddd-bench", "20260101T000001Z-ddddddd-bench"]
+    assert out.details["running"] == ["20260101T000002Z-ddddddd-bench"]
+    assert git(repo, "rev-parse", "HEAD~1").strip() == head
+    files = git(repo, "show", "--name-only", "--format=", "HEAD").split()
+    assert all(f.startswith("results/box/20260101T00000") for f in files) and len(files) == 2 * 5
+    msg = git(repo, "log", "-1", "--format=%B")
+    assert msg.startswith("results: box: 20260101T000000Z-ddddddd-bench, 20260101T000001Z-ddddddd-bench (engine dddddddddd)")
+    assert "Engine-Commit: " + "d" * 40 in msg and "Run-Id: 20260101T000001Z-ddddddd-bench" in msg
+    assert not list((repo / "results/box").glob(".incoming-*"))
+    again = fetch(host, repo, run="all")  # re-check what is here: unchanged, no commit
+    assert again.error is None and "2 unchanged" in again.summary and again.details["commit"] is None
+
+
+def test_dirty_trees_are_refused_unless_allowed(repo, host):
+    rid = "20260101T000000Z-ddddddd-dirty-bench"
+    make_run(host, rid, dirty=True)
+    with pytest.raises(UsageError, match="were made from a dirty engine tree"):
+        fetch(host, repo)
+    assert not (repo / "results").exists(), "a refusal happens before any download"
+    out = fetch(host, repo, allow_dirty=True)
+    assert out.error is None and out.run_ids == [rid]
+    assert f"Allow-Dirty: {rid} ran a dirty tree (diff sha256 {'e' * 64})" in git(repo, "log", "-1", "--format=%B")
+    (repo / "code.py").write_text("x = 3\n")  # now the local tree is dirty too
+    make_run(host, "20260101T000009Z-ddddddd-bench")
+    with pytest.raises(UsageError, match="uncommitted changes"):
+        fetch(host, repo)
+    assert fetch(host, repo, no_commit=True).error is None  # nothing committed: no refusal
+
+
+def test_corrupted_file_refused_nothing_kept(repo, host):
+    rid = "20260101T000000Z-ddddddd-bench"
+    d = make_run(host, rid)
+    (d / "r.json").write_text("{} ")  # one byte longer than the manifest says
+    head = git(repo, "rev-parse", "HEAD").strip()
+    out = fetch(host, repo)
+    assert out.exit_code == 3 and "r.json: size 3, manifest says 2" in str(out.error)
+    assert git(repo, "rev-parse", "HEAD").strip() == head
+    assert not (repo / "results/box" / rid).exists() and not list((repo / "results/box").glob(".incoming-*"))
+
+
+def test_interrupted_fetch_is_finished_by_the_next(repo, host):
+    """A run renamed into results/ whose commit never happened is committed by the next fetch."""
+    rid = "20260101T000000Z-ddddddd-bench"
+    make_run(host, rid)
+    shutil.copytree(Path(host.remote_dir) / "runs" / rid, repo / "results/box" / rid)
+    (repo / "results/box/.incoming-x-999999999").mkdir()  # a temp folder of a dead fetch
+    out = fetch(host, repo)
+    assert out.error is None and out.run_ids == [rid] and out.details["commit"]
+    assert f"results/box/{rid}/manifest.json" in git(repo, "show", "--name-only", "--format=", "HEAD").split()
+    assert not (repo / "results/box/.incoming-x-999999999").exists()
