@@ -5,8 +5,8 @@ schema 1) in the two run folders, pairs records by suite and parameters, and for
 decides *faster*, *slower* or *no significant change* with a two-sided Mann-Whitney U test on
 the raw samples (exact distribution for small untied samples, normal approximation with tie
 correction otherwise) at `alpha`. The size of a change is the ratio of medians, B / A - 1,
-with a bootstrap 95% interval beside it. A significant slowdown larger than `threshold` is a
-regression: `Comparison.exit_code` is then 2 (ARCHITECTURE.md, exit codes).
+with a bootstrap 95% interval beside it. A significant slowdown whose interval lies wholly above
+`threshold` is a regression: `Comparison.exit_code` is then 2 (ARCHITECTURE.md, exit codes).
 
 Runs are comparable only when their host, GPU model and build flags match; otherwise the
 comparison is refused with the reason (`refused`, exit code 5) and no verdicts are made.
@@ -255,7 +255,7 @@ class Row:
     n_a: int
     n_b: int
     verdict: str           # faster | slower | no significant change
-    regression: bool       # slower and change > threshold
+    regression: bool       # slower, and the interval's low end above the threshold
 
 
 @dataclass
@@ -336,8 +336,10 @@ def compare_runs(run_a_dir, run_b_dir, threshold: float = 0.05, alpha: float = 0
                 verdict = "no significant change"
             else:
                 verdict = "slower" if mb > ma else "faster"
+            # A regression must clear the threshold at the low end of its interval: between
+            # runs the machine's state drifts more than the samples inside one run show.
             cmp.rows.append(Row(suite, key, ma, mb, change, ci, p, sa.size, sb.size, verdict,
-                                verdict == "slower" and change > threshold))
+                                verdict == "slower" and ci[0] > threshold))
     return cmp
 
 
