@@ -166,21 +166,22 @@ def build_tree(top_logp, top_ids, budget, root_ids, seq_lens) -> Tree:
         # float32 -> float64 widening is exact; tolist() gives Python floats (doubles).
         lp = top_logp[b].astype(np.float64).tolist()
         nodes = _pop_order(lp, top_ids[b].tolist(), budget)
-        tokens[b, 0] = root_ids[b]
-        depths[b, 0] = 0
-        visibility[b, 0, 0] = 1
-        for i, (tok, depth, parent, score) in enumerate(nodes, start=1):
-            tokens[b, i] = tok
-            depths[b, i] = depth
-            parents[b, i] = parent
-            scores[b, i] = score
-            # SGLang's prepend: each child list runs in descending node index.
-            next_sibling[b, i] = first_child[b, parent]
-            first_child[b, parent] = i
-            # Row i = the parent's row (ancestors) plus bit i; the parent's row has no bit >= i.
-            visibility[b, i] = visibility[b, parent]
-            visibility[b, i, i // 32] |= np.uint32(1 << (i % 32))
         count = len(nodes) + 1
+        tokens[b, 0], depths[b, 0] = root_ids[b], 0
+        if nodes:
+            tok, dep, par, sc = zip(*nodes)
+            tokens[b, 1:count], depths[b, 1:count] = tok, dep
+            parents[b, 1:count], scores[b, 1:count] = par, sc
+        fc, ns = [-1] * count, [-1] * count
+        rows = [1]  # visibility rows as Python ints: bit j set iff j is i or an ancestor of i
+        for i, (_, _, parent, _) in enumerate(nodes, start=1):
+            # SGLang's prepend: each child list runs in descending node index.
+            ns[i], fc[parent] = fc[parent], i
+            # Row i = the parent's row (its ancestors) plus bit i.
+            rows.append(rows[parent] | (1 << i))
+        first_child[b, :count], next_sibling[b, :count] = fc, ns
+        for i, row in enumerate(rows):  # pack: bit j % 32 of little-endian word j // 32
+            visibility[b, i] = np.frombuffer(row.to_bytes(4 * W, "little"), "<u4")
         num_nodes[b] = count
         positions[b, :count] = seq_lens[b] + depths[b, :count]
     return Tree(tokens, parents, depths, positions, first_child, next_sibling, visibility,
