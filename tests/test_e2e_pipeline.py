@@ -234,3 +234,19 @@ def test_corrupted_remote_file_is_refused_and_nothing_committed(loopback_sshd, c
     assert not (clone / "results/rotten" / rid).exists()
     assert not list((clone / "results/rotten").glob(".incoming-*"))
     assert not git(clone, "status", "--porcelain").strip()
+
+
+def test_dry_run_prints_the_plan_and_touches_nothing(loopback_sshd, clone, hosts_dir, tmp_path):
+    h = str(host_yaml(loopback_sshd, hosts_dir, tmp_path, "dry"))
+    r = Invoke(clone)("test-remote", "--host", h, "--dry-run", "--json")
+    assert r.returncode == 0, explain(r)
+    (plans,) = [x["details"]["plans"] for x in json.loads(r.stdout)["hosts"]]
+    assert [p["task"] for p in plans] == ["deploy", "test"]
+    deploy, test = plans
+    assert deploy["sync"]["method"] == "rsync" and "tasks.py" in deploy["sync"]["send"]
+    remote = str(tmp_path / "remote-dry")
+    build = next(s for s in deploy["steps"] if s["name"] == "build")
+    assert build["argv"] == ["bash", f"{remote}/src/cuda/build.sh", "--arch", "cpu", "--out", f"{remote}/build/cpu"]
+    assert any(s["name"] == "pytest-native" for s in test["steps"]) and test["paths"]["run"].startswith(f"{remote}/runs/")
+    assert "plan: deploy on dry" in r.stderr and "plan: test on dry" in r.stderr
+    assert not Path(remote).exists(), "a dry run must not create the remote folder"

@@ -112,8 +112,10 @@ def _print_plan(plan: Plan, log: Callable[[str], None]) -> None:
 
 # ---- deploy ----------------------------------------------------------------------------------------
 
-def _deploy_on(t: Transport, host: Host, repo_root: Path, opts: Options, progress: Progress) -> str:
-    """Sync and build on an open transport; returns the summary line."""
+def _deploy_on(t: Transport, host: Host, repo_root: Path, opts: Options, progress: Progress,
+               plans: list[dict] | None = None) -> str:
+    """Sync and build on an open transport; returns the summary line. A dry run appends its
+    plan to `plans` (for --json) and changes nothing."""
     log = progress.logger(host.name)
     sync = _sync_module()
     files = sync.git_file_list(repo_root)
@@ -121,7 +123,10 @@ def _deploy_on(t: Transport, host: Host, repo_root: Path, opts: Options, progres
     plan = plan_deploy(host, lay, repo_root, opts, n_files=len(files))
     if opts.dry_run:
         _print_plan(plan, log)
-        sync.sync(repo_root, t, dry_run=True, log=log)
+        rep = sync.sync(repo_root, t, dry_run=True, log=log)
+        if plans is not None:
+            plans.append({**plan.to_dict(), "sync": {"method": rep.method, "send": list(rep.sent),
+                                                     "delete": list(rep.deleted), "bytes": rep.bytes_sent}})
         return "dry run: nothing changed"
     with RemoteLock(t, purpose="deploy", wait_s=opts.lock_wait_s,
                     hold_s=host.timeouts.sync + 2 * host.timeouts.build + 300, log=log, step="deploy"):
@@ -162,8 +167,10 @@ def _deploy_on(t: Transport, host: Host, repo_root: Path, opts: Options, progres
 
 
 def deploy(host: Host, repo_root: Path, opts: Options, progress: Progress) -> Outcome:
+    plans: list[dict] = []
     with open_transport(host, accept_new_host_key=opts.accept_new_host_key) as t:
-        return Outcome(host.name, "deploy", _deploy_on(t, host, repo_root, opts, progress))
+        summary = _deploy_on(t, host, repo_root, opts, progress, plans)
+    return Outcome(host.name, "deploy", summary, details={"plans": plans} if plans else {})
 
 
 # ---- runs: test-remote and bench --------------------------------------------------------------------
@@ -184,13 +191,14 @@ def _run(kind: str, host: Host, repo_root: Path, opts: Options, progress: Progre
     log = progress.logger(host.name)
     git = provenance.git_info(repo_root)
     with open_transport(host, accept_new_host_key=opts.accept_new_host_key) as t:
-        deployed = ""
+        deployed, plans = "", []
         if not opts.no_deploy:
-            deployed = _deploy_on(t, host, repo_root, opts, progress)
+            deployed = _deploy_on(t, host, repo_root, opts, progress, plans)
         lay = layout_for(host, t)
         if opts.dry_run:
-            _print_plan(plan_run(kind, host, lay, make_run_id(git, kind), repo_root, opts), log)
-            return Outcome(host.name, kind, "dry run: nothing changed")
+            plan = plan_run(kind, host, lay, make_run_id(git, kind), repo_root, opts)
+            _print_plan(plan, log)
+            return Outcome(host.name, kind, "dry run: nothing changed", details={"plans": plans + [plan.to_dict()]})
         lock = RemoteLock(t, purpose=f"{kind} run", wait_s=opts.lock_wait_s, log=log, step=kind,
                           hold_s=(host.timeouts.test if kind == "test" else host.timeouts.bench) + 600)
         lock.acquire()
