@@ -21,9 +21,13 @@
 // Accumulation is fp32 throughout (dot products, d, o) with bf16 inputs converted exactly.
 //
 // nvcc -Xptxas -v (CUDA 13.0), sm_90 and sm_120 alike: see the note at the end of this file.
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "common.h"
 #include "kdtree/attention_state.cuh"
@@ -303,18 +307,57 @@ __global__ void __launch_bounds__(kThreads) verify_attention_kernel(Params p) {
   }
 }
 
+#include "verify_attention_tc.cuh"
+
+// Raises a kernel's dynamic shared-memory limit once per (kernel, device): cudaFuncSetAttribute
+// is not a stream operation, and calling it only on first use keeps replays of a captured
+// graph and steady-state calls free of it.
+template <auto kKernel>
+cudaError_t ensure_smem_limit(size_t bytes) {
+  static std::atomic<uint64_t> done{0};  // one per kernel; bit d: set on device d (0..63)
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  const uint64_t bit = dev < 64 ? (uint64_t(1) << dev) : 0;
+  if (bit && (done.load(std::memory_order_relaxed) & bit)) return cudaSuccess;
+  e = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+  if (e == cudaSuccess) done.fetch_or(bit, std::memory_order_relaxed);
+  return e;
+}
+
+// The prefix pass runs on tensor cores for bf16 caches of the production shape (d_latent 512,
+// d_rope 64, 16-byte aligned arrays), else on the SIMT kernel. KDT_VERIFY_ATTENTION_PATH=simt
+// in the environment forces the SIMT kernel (read once per process; for A/B checks).
+bool use_tensor_cores(const Params& prm, bool bf16) {
+  static const bool forced_simt = [] {
+    const char* v = std::getenv("KDT_VERIFY_ATTENTION_PATH");
+    return v != nullptr && std::strcmp(v, "simt") == 0;
+  }();
+  auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  return bf16 && !forced_simt && prm.dl == tc::kDL && prm.dr == tc::kDR && aligned(prm.q_lat) &&
+         aligned(prm.q_pe) && aligned(prm.kv);
+}
+
 template <typename T>
 kdt_status launch(const Params& prm, const VerifyAttentionPlan& plan, cudaStream_t stream) {
   constexpr const char* fn = "kdt_verify_attention";
+  // The SIMT kernels' tile is sized for the largest supported row (576 floats): one limit
+  // per kernel, whatever this call's d_latent + d_rope.
   const size_t smem = size_t(kTile) * size_t(prm.dk) * sizeof(float);
+  constexpr size_t kSmemMax = size_t(kTile) * 32 * kKPerLane * sizeof(float);
   auto prefix_kernel = verify_attention_kernel<T, false>;
   auto tree_kernel = verify_attention_kernel<T, true>;
-  KDT_CUDA_CHECK(cudaFuncSetAttribute(prefix_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      int(smem)), fn);
-  KDT_CUDA_CHECK(cudaFuncSetAttribute(tree_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      int(smem)), fn);
+  const cudaError_t limit_prefix = ensure_smem_limit<verify_attention_kernel<T, false>>(kSmemMax);
+  KDT_CUDA_CHECK(limit_prefix, fn);
+  const cudaError_t limit_tree = ensure_smem_limit<verify_attention_kernel<T, true>>(kSmemMax);
+  KDT_CUDA_CHECK(limit_tree, fn);
   const dim3 block(kThreads);
-  if (plan.splits > 0) {
+  if (plan.splits > 0 && use_tensor_cores(prm, sizeof(T) == 2)) {
+    KDT_CUDA_CHECK(ensure_smem_limit<tc::prefix_kernel_tc>(tc::kSmemBytes), fn);
+    const dim3 grid(unsigned(plan.row_tiles_tc), unsigned(plan.splits), unsigned(prm.bs));
+    tc::prefix_kernel_tc<<<grid, block, tc::kSmemBytes, stream>>>(prm);
+    KDT_CUDA_CHECK(cudaGetLastError(), fn);
+  } else if (plan.splits > 0) {
     const dim3 grid(unsigned(plan.row_tiles), unsigned(plan.splits), unsigned(prm.bs));
     prefix_kernel<<<grid, block, smem, stream>>>(prm);
     KDT_CUDA_CHECK(cudaGetLastError(), fn);

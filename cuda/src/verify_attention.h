@@ -27,24 +27,31 @@ struct VerifyAttentionArgs {
 };
 
 // Launch geometry of the CUDA backend, a pure function of the sizes so that the workspace
-// query and the call agree without touching the device.
-//   rows of request b = n_b * H (query-head pairs, row = node * H + head), tiled by kRowsPerBlock;
+// query and the call agree without touching the device (and without the dtype, which the
+// workspace query does not take).
+//   rows of request b = n_b * H (query-head pairs, row = node * H + head);
 //   prefix rows [0, P_b) split into `splits` chunks of `chunk` rows (a multiple of kKvTile).
+// The SIMT kernels tile rows by kRowsPerBlock, the tensor-core prefix kernel by kRowsPerBlockTc;
+// the split count is chosen for the coarser (tensor-core) tiling, so both get enough blocks.
 struct VerifyAttentionPlan {
-  static constexpr int kRowsPerBlock = 16;  // 8 warps x 2 rows (verify_attention.cu)
-  static constexpr int kKvTile = 32;        // cache rows per shared-memory tile
-  static constexpr int kTargetBlocks = 264; // ~2 waves of an H200's 132 SMs
-  static constexpr int kMinChunk = 256;     // below this the partial-state traffic dominates
-  int64_t row_tiles = 0;  // ceil(max_tree * H / kRowsPerBlock)
-  int64_t splits = 0;     // prefix chunks per request (0 when max_kv == 0)
-  int64_t chunk = 0;      // prefix rows per chunk
+  static constexpr int kRowsPerBlock = 16;    // SIMT: 8 warps x 2 rows (verify_attention.cu)
+  static constexpr int kRowsPerBlockTc = 64;  // tensor cores: 4 row groups x 16 rows
+  static constexpr int kKvTile = 32;          // cache rows per shared-memory tile (SIMT)
+  static constexpr int kTargetBlocks = 264;   // ~2 waves of an H200's 132 SMs
+  static constexpr int kMinChunk = 256;       // below this the partial-state traffic dominates
+  int64_t row_tiles = 0;     // ceil(max_tree * H / kRowsPerBlock)
+  int64_t row_tiles_tc = 0;  // ceil(max_tree * H / kRowsPerBlockTc)
+  int64_t splits = 0;        // prefix chunks per request (0 when max_kv == 0)
+  int64_t chunk = 0;         // prefix rows per chunk
 
   static VerifyAttentionPlan make(int32_t bs, int32_t num_heads, int32_t max_tree,
                                   int32_t max_kv) {
     VerifyAttentionPlan p;
-    p.row_tiles = (int64_t(max_tree) * num_heads + kRowsPerBlock - 1) / kRowsPerBlock;
-    if (max_kv <= 0 || bs <= 0 || p.row_tiles == 0) return p;
-    int64_t base = p.row_tiles * bs;
+    const int64_t rows = int64_t(max_tree) * num_heads;
+    p.row_tiles = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
+    p.row_tiles_tc = (rows + kRowsPerBlockTc - 1) / kRowsPerBlockTc;
+    if (max_kv <= 0 || bs <= 0 || rows <= 0) return p;
+    int64_t base = p.row_tiles_tc * bs;
     int64_t want = (kTargetBlocks + base - 1) / base;  // splits wanted for occupancy
     int64_t max_splits = (int64_t(max_kv) + kMinChunk - 1) / kMinChunk;
     if (want > max_splits) want = max_splits;
