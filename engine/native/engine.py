@@ -134,7 +134,7 @@ class Engine:
           "oracle" or "oracle:<quality>" = the noisy ORACLE (engine.drafters.NoisyOracleDrafter,
           handed the true greedy continuation, which this engine computes first by AR and does
           not count in the stats); or any object with `depth` and `draft(committed, root,
-          hidden, k)`.
+          hidden, k)`, or a list of such objects, one per prompt (see oracle_drafters()).
         Returns GenerateResult(tokens, stats): tokens int64 [max_new_tokens] (a list of them for
         a batch), stats an EngineStats (accepted lengths per round, target forwards, seconds).
 
@@ -447,13 +447,26 @@ class Engine:
             except ValueError:
                 raise ValueError(f"Engine.generate: drafter={drafter!r}: quality {q!r} is not a "
                                  "number") from None
-            from engine.drafters import NoisyOracleDrafter  # lazily: another area's module
-
-            depth = 15
-            truth = self.generate(prompts, max_new_tokens + depth + 1, mode="ar").tokens
-            return [NoisyOracleDrafter(np.concatenate([p, t]), self.vocab_size, depth=depth,
-                                       quality=quality, seed=seed + i)
-                    for i, (p, t) in enumerate(zip(prompts, truth))]
+            if not 0.0 <= quality <= 1.0:
+                raise ValueError(f"Engine.generate: drafter={drafter!r}: quality outside [0, 1]")
+            return self.oracle_drafters(prompts, max_new_tokens, quality, seed)
+        if isinstance(drafter, (list, tuple)):
+            if len(drafter) != len(prompts) or not all(hasattr(d, "draft") for d in drafter):
+                raise ValueError(f"Engine.generate: a list of drafters needs one object with "
+                                 f"draft() per prompt ({len(prompts)}), got {len(drafter)}")
+            return list(drafter)
         if not hasattr(drafter, "draft"):
             raise TypeError(f"Engine.generate: drafter {type(drafter).__name__} has no draft()")
         return [drafter] * len(prompts)
+
+    def oracle_drafters(self, prompts, max_new_tokens: int, quality: float, seed: int = 0,
+                        depth: int = 15) -> list:
+        """One NoisyOracleDrafter per prompt, handed the true greedy continuation (computed here
+        by AR, max_new_tokens + depth + 1 tokens): build them before timing a generate."""
+        from engine.drafters import NoisyOracleDrafter  # lazily: another area's module
+
+        prompts = [np.asarray(p, np.int64).reshape(-1) for p in prompts]
+        truth = self.generate(prompts, max_new_tokens + depth + 1, mode="ar").tokens
+        return [NoisyOracleDrafter(np.concatenate([p, t]), self.vocab_size, depth=depth,
+                                   quality=quality, seed=seed + i)
+                for i, (p, t) in enumerate(zip(prompts, truth))]

@@ -1,0 +1,170 @@
+"""Suite `e2e`: end-to-end greedy decoding on the native engine, AR vs DDTree, per backend.
+
+For each device in ctx.devices, each batch size and each case below, `Engine.generate` decodes
+`new_tokens` tokens for every prompt (prompts split into batches decoded together); a sample is
+the wall-clock time of decoding all prompts once (prefill included; the engine synchronises the
+device inside every call, so the host clock is the device time too).
+
+Cases: AR; DDTree at budgets {15, 63, 255} x drafters: the noisy ORACLE at several qualities
+(handed the true greedy continuation, built before timing) and the block drafter stored with the
+weights (`block`). Validation before timing: every DDTree case's tokens must equal the AR tokens
+of the same device, and the AR tokens of every device must equal the CPU's.
+
+Derived rates (formula beside each):
+  tokens_per_s            = new tokens of all prompts / median(samples)
+  target_forwards_per_token = (prefill + decode target forwards, batched) x batch / new tokens
+  mean_accept_length      = mean over requests and rounds of accepted nodes (root included)
+  speedup_vs_ar           = median(AR samples) / median(samples), same device and batch
+
+Options (ctx.args): `weights` (a folder; default: the tiny model, `python -m engine.model init`
+with seed 0 into <out>/e2e_weights), `prompts` (count), `new_tokens`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from bench import format_table
+from bench.timing import summarize, time_cpu
+
+NAME = "e2e"
+PROMPT_SEED = 1234  # fixed: runs compare like with like
+
+
+def grid(quick: bool) -> dict:
+    if quick:
+        return {"budgets": [15, 63], "qualities": [0.5, 0.9], "batches": [1], "prompts": 2,
+                "new_tokens": 32, "reps": 2, "block": True}
+    return {"budgets": [15, 63, 255], "qualities": [0.3, 0.6, 0.8, 0.95], "batches": [1, 8],
+            "prompts": 8, "new_tokens": 64, "reps": 3, "block": True}
+
+
+def _weights(ctx) -> Path:
+    w = ctx.args.get("weights")
+    if w:
+        return Path(w)
+    d = Path(ctx.out_dir) / "e2e_weights"
+    if not (d / "config.json").is_file():
+        from engine import drafters, model
+
+        cfg = model.tiny_config()
+        model.save_weights(d, cfg, model.init_weights(cfg, 0))
+        drafters.init_block_drafter(d, seed=1)
+    return d
+
+
+def _prompts(n: int, vocab: int) -> list:
+    rng = np.random.default_rng(PROMPT_SEED)
+    return [rng.integers(0, vocab, size=int(rng.integers(8, 64))).astype(np.int64)
+            for _ in range(n)]
+
+
+def _batches(prompts, bs):
+    return [prompts[i:i + bs] for i in range(0, len(prompts), bs)]
+
+
+def _run_case(eng, batches, new_tokens, mode, budget, drafters, reps):
+    """Times decoding every batch once per sample; returns (samples, tokens, merged stats)."""
+    last = {}
+
+    def once():
+        toks, forwards, accept, seconds = [], 0, [], 0.0
+        for i, b in enumerate(batches):
+            r = eng.generate(b, new_tokens, mode=mode, budget=budget,
+                             drafter=None if drafters is None else drafters[i])
+            toks.extend(r.tokens)
+            forwards += r.stats.target_forwards * len(b)
+            accept.extend(a for req in r.stats.accept_lengths for a in req)
+        last.update(tokens=toks, forwards=forwards, accept=accept)
+
+    samples = time_cpu(once, warmup=1, reps=reps)
+    return samples, last
+
+
+def run(ctx) -> dict:
+    lib = ctx.require_library("suite e2e")
+    from engine.native.engine import Engine
+
+    g = grid(ctx.quick)
+    n_prompts = int(ctx.args.get("prompts", g["prompts"]))
+    new_tokens = int(ctx.args.get("new_tokens", g["new_tokens"]))
+    weights = _weights(ctx)
+    params = {"weights": str(weights), "prompts": n_prompts, "new_tokens": new_tokens,
+              "prompt_seed": PROMPT_SEED, "budgets": g["budgets"], "oracle_qualities": g["qualities"],
+              "batches": g["batches"], "reps": g["reps"], "devices": list(ctx.devices),
+              "oracle_depth": 15, "block_drafter": g["block"]}
+    results, rows = [], []
+    reference_tokens = None  # the CPU AR tokens (or the first device's)
+    for device in ctx.devices:
+        if device == "cuda" and (not lib.has_cuda or lib.cuda_device_count() == 0):
+            results.append({"bench": NAME, "backend": device, "case": "all", "skipped":
+                            f"{lib.path} has no CUDA backend or no GPU is visible",
+                            "validation": {"ok": True, "skipped": True}})
+            continue
+        max_seq = 64 + new_tokens + max(g["budgets"]) + 32
+        eng = Engine(weights, device=device, max_slots=max(g["batches"]), max_seq=max_seq)
+        prompts = _prompts(n_prompts, eng.vocab_size)
+        for bs in g["batches"]:
+            batches = _batches(prompts, bs)
+            samples, ar = _run_case(eng, batches, new_tokens, "ar", 0, None, g["reps"])
+            ar_median = float(np.median(samples))
+            ok = True
+            if reference_tokens is None:
+                reference_tokens = [t.tolist() for t in ar["tokens"]]
+            else:
+                ok = [t.tolist() for t in ar["tokens"]] == reference_tokens
+            cases = [("ar", 0, "-", None)]
+            oracles = {q: [eng.oracle_drafters(b, new_tokens, q, seed=PROMPT_SEED) for b in batches]
+                       for q in g["qualities"]}  # built (their truth decoded) before timing
+            for budget in g["budgets"]:
+                for q in g["qualities"]:
+                    cases.append(("ddtree", budget, f"oracle:{q}", oracles[q]))
+                if g["block"]:
+                    cases.append(("ddtree", budget, "block", None))
+            for mode, budget, drafter_name, dr in cases:
+                if mode == "ar":
+                    s, out = samples, ar
+                    valid = {"ok": ok, "check": "AR tokens == the first device's AR tokens"}
+                else:
+                    try:
+                        s, out = _run_case(eng, batches, new_tokens, mode, budget, dr, g["reps"])
+                    except (ImportError, FileNotFoundError, ValueError) as e:
+                        results.append({"bench": NAME, "backend": device, "batch": bs,
+                                        "case": f"{mode} B={budget} {drafter_name}",
+                                        "skipped": f"{type(e).__name__}: {e}",
+                                        "validation": {"ok": True, "skipped": True}})
+                        continue
+                    same = [t.tolist() for t in out["tokens"]] == [t.tolist() for t in ar["tokens"]]
+                    valid = {"ok": bool(same), "check": "DDTree tokens == AR tokens (same device)"}
+                total = len(prompts) * new_tokens
+                med = float(np.median(s))
+                tau = float(np.mean(out["accept"])) if out["accept"] else 0.0
+                rec = {
+                    "bench": NAME, "backend": device, "batch": bs, "mode": mode,
+                    "budget": budget, "drafter": drafter_name,
+                    "case": f"{mode} B={budget} {drafter_name} bs={bs}",
+                    "samples": s, "summary": summarize(s),
+                    "rates": {
+                        "tokens_per_s": total / med,
+                        "tokens_per_s_formula": "prompts * new_tokens / median(samples)",
+                        "target_forwards_per_token": out["forwards"] / total,
+                        "target_forwards_per_token_formula":
+                            "sum over batches of target_forwards (prefill included) * batch size"
+                            " / (prompts * new_tokens)",
+                        "mean_accept_length": tau,
+                        "speedup_vs_ar": ar_median / med,
+                        "speedup_vs_ar_formula": "median(AR samples) / median(samples)",
+                    },
+                    "validation": valid,
+                }
+                results.append(rec)
+                rows.append([device, bs, mode, budget or "-", drafter_name,
+                             round(total / med, 1), round(out["forwards"] / total, 3),
+                             round(tau, 2), round(ar_median / med, 2),
+                             "ok" if valid["ok"] else "MISMATCH"])
+        eng.close()
+    table = format_table(["device", "bs", "mode", "B", "drafter", "tok/s", "fwd/tok", "tau",
+                          "x AR", "check"], rows)
+    return {"params": params, "results": results, "table": table}
