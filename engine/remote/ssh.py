@@ -20,6 +20,7 @@ import hashlib
 import os
 import posixpath
 import secrets
+import select
 import shlex
 import socket
 import time
@@ -194,28 +195,26 @@ class SshTransport(Transport):
         else:
             chan.shutdown_write()
         deadline = None if timeout is None else start + timeout
-        idle = 0.001
+        fd = chan.fileno()  # readable when stdout or stderr data (or EOF) arrives
         while True:
-            got = self._drain(chan, out, err)
-            if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
-                break
+            self._drain(chan, out, err)
+            if chan.eof_received:  # all output is in; the exit status follows
+                if chan.status_event.wait(0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic()))):
+                    self._drain(chan, out, err)
+                    break
+            elif chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
+                break  # exited, yet something (a background child) still holds its output open
+            if chan.closed:
+                break  # closed without EOF: no exit status will come (handled below)
             if deadline is not None and time.monotonic() > deadline:
                 self._kill_remote_group(err.marker_value)
                 chan.close()
                 raise self._timeout_error(command, timeout)
             if not self._transport().is_active():
                 raise HostUnreachable(f"connection lost while running `{command[:80]}`", host=self.host.name)
-            idle = 0.001 if got else min(idle * 2, 0.05)
-            time.sleep(idle if not got else 0)
-        chan.settimeout(5.0)  # output written after the exit status (rare): collect briefly
-        try:
-            while not chan.eof_received:
-                if not self._drain(chan, out, err):
-                    time.sleep(0.005)
-                    if chan.closed:
-                        break
-        except socket.timeout:
-            pass
+            if not chan.eof_received:
+                wait = 0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic()))
+                select.select([fd], [], [], wait)
         out.close(), err.close()
         code = chan.recv_exit_status()
         chan.close()
