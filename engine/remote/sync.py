@@ -131,9 +131,9 @@ class SyncReport:
 
 
 _PROBE = """\
-cd {rd} 2>/dev/null || {{ echo KDT-NODIR; exit 0; }}
 echo "KDT-RSYNC $(command -v rsync 2>/dev/null)"
 echo "KDT-TAR $(command -v tar 2>/dev/null)"
+cd {rd} 2>/dev/null || {{ echo KDT-NODIR; exit 0; }}
 echo KDT-MANIFEST
 cat {manifest} 2>/dev/null
 echo
@@ -151,14 +151,13 @@ def _probe(transport: Transport) -> tuple[str | None, bool, dict, dict[str, int]
     r = transport.run(_PROBE.format(rd=shlex.quote(rd), manifest=MANIFEST), timeout=transport.host.timeouts.sync)
     if not r.ok:
         raise TransferError(f"probing {rd} failed: {r.tail()}", host=transport.host.name, step="sync")
-    if r.stdout.startswith("KDT-NODIR"):
-        has_tar = transport.which("tar")
-        return (_which_path(transport, "rsync"), has_tar, {}, {})
     head, _, rest = r.stdout.partition("KDT-MANIFEST\n")
+    tools = dict(line.split(" ", 1) for line in head.splitlines() if " " in line)
+    rsync = tools.get("KDT-RSYNC", "").strip() or None
+    has_tar = bool(tools.get("KDT-TAR", "").strip())
+    if "KDT-NODIR" in head.splitlines():  # nothing deployed yet
+        return rsync, has_tar, {}, {}
     manifest_text, _, listing = rest.partition("\nKDT-FILES\n")
-    lines = dict(line.split(" ", 1) for line in head.splitlines() if " " in line)
-    rsync = lines.get("KDT-RSYNC", "").strip() or None
-    has_tar = bool(lines.get("KDT-TAR", "").strip())
     manifest = {}
     if manifest_text.strip():
         try:
@@ -173,11 +172,6 @@ def _probe(transport: Transport) -> tuple[str | None, bool, dict, dict[str, int]
         if path:
             remote[path] = int(size) if size.lstrip("-").isdigit() else -1
     return rsync, has_tar, manifest, remote
-
-
-def _which_path(transport: Transport, program: str) -> str | None:
-    r = transport.run(f"command -v {shlex.quote(program)}", timeout=transport.host.timeouts.connect)
-    return r.stdout.strip() or None if r.ok else None
 
 
 def _choose_method(transport: Transport, remote_rsync: str | None) -> tuple[str, str]:
