@@ -42,9 +42,10 @@ class Progress:
 
     def _table(self):
         from rich.table import Table
+        from rich.text import Text
         t = Table(show_header=False, box=None, padding=(0, 1))
-        for h in self.hosts:
-            t.add_row(f"[bold]{h}[/bold]", self.state[h].replace("[", r"\["))
+        for h in self.hosts:  # Text, not markup: host names and states are shown as they are
+            t.add_row(Text(h, style="bold"), Text(self.state[h]))
         return t
 
     def __enter__(self) -> "Progress":
@@ -61,7 +62,8 @@ class Progress:
             for part in str(text).splitlines() or [""]:
                 msg = f"[{host}] {part}"
                 if self._console is not None and self._live is not None:
-                    self._console.print(msg, markup=False, highlight=False)
+                    from rich.text import Text
+                    self._console.print(Text(msg))
                 else:
                     print(msg, file=self.stream, flush=True)
 
