@@ -2,8 +2,8 @@
 //
 // Which safetensors files: model.safetensors.index.json's weight_map when present, else
 // model.safetensors, else every model-*.safetensors (sorted). Other files in the folder (the
-// block drafter's weights, for example) are not read. Tensors in F32, F64, BF16 and F16 are
-// widened to FP32.
+// block drafter's weights, for example) are not read. Files are read with the shared strict
+// reader (kdtree/kdtr.hpp); F32, BF16 and F16 tensors become FP32.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "common.h"
+#include "kdtree/kdtr.hpp"
 #include "model.h"
 #include "model_json.h"
 
@@ -176,99 +177,18 @@ void parse_config(const std::string& dir, Config* c) {
   }
 }
 
-// ---- safetensors -----------------------------------------------------------------------------
-
-float bf16_to_f32(uint16_t h) {
-  uint32_t u = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-float f16_to_f32(uint16_t h) {
-  uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, u;
-  if (exp == 0) {
-    if (man == 0) {
-      u = sign;
-    } else {  // subnormal: normalise
-      exp = 127 - 15 + 1;
-      while (!(man & 0x400)) { man <<= 1; --exp; }
-      u = sign | (exp << 23) | ((man & 0x3FF) << 13);
-    }
-  } else if (exp == 31) {
-    u = sign | 0x7F800000u | (man << 13);
-  } else {
-    u = sign | ((exp - 15 + 127) << 23) | (man << 13);
-  }
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+// ---- safetensors (through the shared strict reader, kdtree/kdtr.hpp) ------------------------
 
 void load_safetensors(const std::string& path, std::map<std::string, Tensor>* out) {
-  std::string bytes;
-  if (!read_file(path, &bytes)) fail(KDT_ERR_IO, path + ": cannot open");
-  if (bytes.size() < 8) fail(KDT_ERR_FORMAT, path + ": shorter than the 8-byte header length");
-  uint64_t hlen = 0;
-  for (int i = 7; i >= 0; --i) hlen = (hlen << 8) | uint8_t(bytes[i]);
-  if (hlen > bytes.size() - 8)
-    fail(KDT_ERR_FORMAT, path + ": header length " + std::to_string(hlen) + " exceeds the file");
-  json::Value header;
-  try {
-    header = json::Parser(bytes.data() + 8, size_t(hlen)).parse_document();
-  } catch (const json::JsonError& e) {
-    fail(KDT_ERR_FORMAT, path + ": header is not valid JSON: " + e.what());
-  }
-  if (header.kind != json::Value::Object) fail(KDT_ERR_FORMAT, path + ": header is not an object");
-  const size_t data0 = 8 + size_t(hlen), data_len = bytes.size() - data0;
-  for (const auto& kv : header.obj) {
-    if (kv.first == "__metadata__") continue;
-    const std::string where = path + ": tensor '" + kv.first + "'";
-    const json::Value& t = kv.second;
-    const json::Value *dt = t.get("dtype"), *sh = t.get("shape"), *off = t.get("data_offsets");
-    if (!dt || dt->kind != json::Value::String || !sh || sh->kind != json::Value::Array || !off ||
-        off->kind != json::Value::Array || off->arr.size() != 2)
-      fail(KDT_ERR_FORMAT, where + ": needs dtype, shape and data_offsets [begin, end]");
+  SafetensorsFile f;
+  kdt_status st = f.open(path);
+  if (st != KDT_OK) fail(st, f.error());
+  for (const TensorInfo& t : f.tensors()) {
+    if (out->count(t.name)) fail(KDT_ERR_FORMAT, path + ": tensor '" + t.name + "' is defined twice");
     Tensor ten;
-    uint64_t count = 1;
-    for (const auto& d : sh->arr) {
-      if (d.kind != json::Value::Number || d.num < 0 || d.num != std::floor(d.num) || d.num > 1e12)
-        fail(KDT_ERR_FORMAT, where + ": shape entries must be non-negative integers");
-      ten.shape.push_back(int64_t(d.num));
-      count *= uint64_t(d.num);
-      if (count > (uint64_t(1) << 40)) fail(KDT_ERR_FORMAT, where + ": shape is absurdly large");
-    }
-    size_t esize = dt->str == "F32" ? 4 : dt->str == "F64" ? 8
-                 : (dt->str == "BF16" || dt->str == "F16") ? 2 : 0;
-    if (esize == 0)
-      fail(KDT_ERR_FORMAT, where + ": dtype " + dt->str + " is not a float type (F32 F64 BF16 F16)");
-    for (const auto& o : off->arr)
-      if (o.kind != json::Value::Number || o.num < 0 || o.num != std::floor(o.num))
-        fail(KDT_ERR_FORMAT, where + ": data_offsets must be non-negative integers");
-    uint64_t b = uint64_t(off->arr[0].num), e = uint64_t(off->arr[1].num);
-    if (b > e || e > data_len)
-      fail(KDT_ERR_FORMAT, where + ": data_offsets [" + std::to_string(b) + ", " +
-                               std::to_string(e) + "] fall outside the " +
-                               std::to_string(data_len) + "-byte data section");
-    if (e - b != count * esize)
-      fail(KDT_ERR_FORMAT, where + ": " + std::to_string(e - b) + " bytes for " +
-                               std::to_string(count) + " elements of " + dt->str);
-    const char* src = bytes.data() + data0 + b;
-    ten.data.resize(count);
-    for (uint64_t i = 0; i < count; ++i) {
-      if (esize == 4) {
-        std::memcpy(&ten.data[i], src + 4 * i, 4);
-      } else if (esize == 8) {
-        double d;
-        std::memcpy(&d, src + 8 * i, 8);
-        ten.data[i] = float(d);
-      } else {
-        uint16_t h;
-        std::memcpy(&h, src + 2 * i, 2);
-        ten.data[i] = dt->str == "BF16" ? bf16_to_f32(h) : f16_to_f32(h);
-      }
-    }
-    if (out->count(kv.first)) fail(KDT_ERR_FORMAT, where + ": defined twice");
-    (*out)[kv.first] = std::move(ten);
+    ten.shape = t.shape;
+    if ((st = f.read_f32(t.name, &ten.data)) != KDT_OK) fail(st, f.error());
+    (*out)[t.name] = std::move(ten);
   }
 }
 
