@@ -48,15 +48,16 @@ def grids(device: str, quick: bool) -> dict:
     else:
         tree = {"bs": [1, 16], "budget": [15, 255]} if quick else full_tree
         att = ({"bs": [1], "prefix": [512], "tree": [16]} if quick else
-               {"bs": [1, 4], "prefix": [512, 1024], "tree": [16]})
+               {"bs": [1, 2], "prefix": [512, 1024], "tree": [16]})
     return {"tree": tree, "attention": dict(att, dtype=["float32", "bfloat16"])}
 
 
-def _timer(device: str, quick: bool, flush_l2: bool):
+def _timer(device: str, quick: bool, flush_l2: bool, warmup: int = 1):
+    """The validation call before timing is a first warm-up already; `warmup` adds more."""
     if device == "cuda":
         return lambda fn: time_cuda(fn, warmup=3, reps=100, flush_l2=flush_l2,
                                     budget_s=0.1 if quick else 0.3)
-    return lambda fn: time_cpu(fn, warmup=1, reps=30, budget_s=0.05 if quick else 0.5)
+    return lambda fn: time_cpu(fn, warmup=warmup, reps=30, budget_s=0.05 if quick else 0.5)
 
 
 def _sync(device: str) -> None:
@@ -249,7 +250,7 @@ def run(ctx) -> dict:
                "speed path; the full grid runs on CUDA)"))
         ceil = ctx.ceilings(device)
         tree_timer = _timer(device, ctx.quick, flush_l2=False)
-        att_timer = _timer(device, ctx.quick, flush_l2=True)
+        att_timer = _timer(device, ctx.quick, flush_l2=True, warmup=0)
         for bs in g["tree"]["bs"]:
             for budget in g["tree"]["budget"]:
                 seed = int(root.spawn(1)[0].generate_state(1)[0])
@@ -287,8 +288,8 @@ def table(results) -> str:
                  if "prefix" in c else "-")
         rates = r.get("rates", {})
         if r["bench"] == "verify_attention" and rates:
-            rate = (f"{rates['TFLOP_per_s']['value']:.2f} TF/s ({rates['frac_matmul_ceiling']['value']:.0%} mm), "
-                    f"{rates['GB_per_s']['value']:.0f} GB/s ({rates['frac_copy_ceiling']['value']:.0%} copy)")
+            rate = (f"{rates['TFLOP_per_s']['value']:.3g} TF/s ({rates['frac_matmul_ceiling']['value']:.0%} mm), "
+                    f"{rates['GB_per_s']['value']:.3g} GB/s ({rates['frac_copy_ceiling']['value']:.0%} copy)")
         elif "nodes_per_s" in rates:
             rate = f"{rates['nodes_per_s']['value'] / 1e6:.2f} Mnodes/s"
         elif "requests_per_s" in rates:
