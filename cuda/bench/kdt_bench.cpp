@@ -132,8 +132,9 @@ int main(int argc, char** argv) {
   const std::string no_cuda = cuda_unavailable();
   if (want_cuda && !no_cuda.empty()) std::printf("note: %s\n", no_cuda.c_str());
   const bool run_cuda = want_cuda && no_cuda.empty();
-  std::printf("kdt_bench: libkdtree %s, seed %llu, %d samples per row\n", kdt_version(),
-              (unsigned long long)seed, reps);
+  const char* variant = std::getenv("KDT_TREE_BUILD_VARIANT");
+  std::printf("kdt_bench: libkdtree %s, seed %llu, %d samples per row, CUDA build variant %s\n",
+              kdt_version(), (unsigned long long)seed, reps, variant ? variant : "warp (default)");
   std::printf("%-7s %-5s %4s %3s %5s %6s %11s %11s %11s %10s\n", "kernel", "dev", "bs", "L", "K", "budget",
               "median_us", "min_us", "p90_us", "ns/node");
   std::vector<std::array<int, 4>> grid = {{1, 15, 16, 16}, {1, 15, 64, 64}, {1, 15, 256, 256},

@@ -1,11 +1,23 @@
-// tree_build.cu: CUDA backend of kdt_tree_build. One block per request: thread 0 runs the
-// best-first heap (tree_build_core.h, the same code as the CPU backend) in shared memory, then
-// the whole block writes the outputs (slots, links, visibility words) in parallel.
-// No host synchronisation and no allocation: safe under CUDA graph capture.
+// tree_build.cu: CUDA backend of kdt_tree_build. One block (128 threads) per request: the
+// best-first selection runs in shared memory, then the whole block writes the outputs (slots,
+// links, visibility words) in parallel. No host synchronisation and no allocation: safe under
+// CUDA graph capture.
 //
-// Shared memory per block, n = budget + 1 (<= 1025): 2 x n doubles (heap and node scores),
+// Two selection variants, both reproducing the CPU order exactly (same float64 scores, same
+// strict total order: score descending, then rank path ascending):
+//   warp (default): warp 0 keeps the frontier as an unordered array; each pop is a warp-wide
+//     argmax (each lane scans every 32nd entry, then a 5-step butterfly shuffle), so a pop costs
+//     about F/32 + 5 comparisons of latency instead of a serial heap sift.
+//   heap: thread 0 runs the binary heap of tree_build_core.h, the CPU backend's exact code.
+// KDT_TREE_BUILD_VARIANT=heap|warp (read once, on the host) picks one for benchmarks and
+// cross-checks; both are validated by the native tests.
+//
+// Shared memory per block, n = budget + 1 (<= 1025): 2 x n doubles (frontier and node scores),
 // 2 x n uint32 (packed candidates), 2 x n int16 (child lists) = 28 n bytes <= 28.7 KB.
 #include <cuda_runtime.h>
+
+#include <cstdlib>
+#include <cstring>
 
 #include "common.h"
 #include "tree_build_core.h"
@@ -15,9 +27,83 @@ namespace kdt {
 namespace {
 
 constexpr int kThreads = 128;
+constexpr uint32_t kNone = 0xFFFFFFFFu;  // "no candidate" in the warp argmax
+constexpr unsigned kFull = 0xFFFFFFFFu;
 
-size_t smem_bytes(int n) { return (size_t)n * (2 * sizeof(double) + 2 * sizeof(uint32_t) + 2 * sizeof(int16_t)); }
+size_t smem_bytes(int n) {
+  return (size_t)n * (2 * sizeof(double) + 2 * sizeof(uint32_t) + 2 * sizeof(int16_t));
+}
 
+__device__ bool better(double sa, uint32_t ca, double sb, uint32_t cb, const uint32_t* node_cand) {
+  if (cb == kNone) return ca != kNone;
+  if (ca == kNone) return false;
+  if (sa != sb) return sa > sb;
+  return tree::compare_paths(ca, cb, node_cand) < 0;
+}
+
+// Warp-cooperative best-first selection for one request (called by all 32 lanes of a warp);
+// returns the number of slots used (root included), as tree::build_one does.
+__device__ int warp_build_one(const float* lp, int L, int K, int budget, const tree::Scratch& s) {
+  const int lane = threadIdx.x & 31;
+  if (lane == 0) {
+    s.node_cand[0] = 0;
+    s.node_score[0] = 0.0;
+    s.first_child[0] = -1;
+    s.next_sibling[0] = -1;
+    s.heap_score[0] = (double)lp[0];
+    s.heap_cand[0] = tree::pack(0, 0, 1);
+  }
+  int F = 1, count = 0;  // frontier size and nodes emitted: the same in every lane
+  __syncwarp();
+  while (F > 0 && count < budget) {
+    double best_s = 0.0;
+    uint32_t best_c = kNone;
+    int best_i = -1;
+    for (int i = lane; i < F; i += 32) {
+      const double sc = s.heap_score[i];
+      const uint32_t c = s.heap_cand[i];
+      if (better(sc, c, best_s, best_c, s.node_cand)) { best_s = sc; best_c = c; best_i = i; }
+    }
+    // Butterfly: both partners keep the better of the two, so every lane ends with the argmax
+    // (the order is strict: distinct candidates have distinct rank paths).
+    for (int off = 16; off > 0; off >>= 1) {
+      const double os = __shfl_xor_sync(kFull, best_s, off);
+      const uint32_t oc = __shfl_xor_sync(kFull, best_c, off);
+      const int oi = __shfl_xor_sync(kFull, best_i, off);
+      if (better(os, oc, best_s, best_c, s.node_cand)) { best_s = os; best_c = oc; best_i = oi; }
+    }
+    const int parent = tree::cand_parent(best_c), rank = tree::cand_rank(best_c);
+    const int depth = tree::cand_depth(best_c);
+    const int i = ++count;
+    const bool sib = rank + 1 < K, child = depth < L;
+    __syncwarp();  // every lane is done reading the frontier before lane 0 rewrites it
+    if (lane == 0) {
+      s.node_cand[i] = best_c;
+      s.node_score[i] = best_s;
+      s.first_child[i] = -1;
+      s.next_sibling[i] = s.first_child[parent];  // prepend: lists run in descending index
+      s.first_child[parent] = (int16_t)i;
+      int f = F - 1;  // remove the winner: the last entry takes its slot
+      s.heap_score[best_i] = s.heap_score[f];
+      s.heap_cand[best_i] = s.heap_cand[f];
+      const float* row = lp + (size_t)(depth - 1) * K;
+      if (sib) {
+        // (score - lp[d-1][r]) + lp[d-1][r+1], left to right in float64 (DDTREE.md section 2)
+        s.heap_score[f] = (best_s - (double)row[rank]) + (double)row[rank + 1];
+        s.heap_cand[f++] = tree::pack(parent, rank + 1, depth);
+      }
+      if (child) {
+        s.heap_score[f] = best_s + (double)lp[(size_t)depth * K];
+        s.heap_cand[f++] = tree::pack(i, 0, depth + 1);
+      }
+    }
+    F = F - 1 + (sib ? 1 : 0) + (child ? 1 : 0);
+    __syncwarp();  // lane 0's writes are visible before the next scan
+  }
+  return count + 1;
+}
+
+template <bool kWarp>
 __global__ void __launch_bounds__(kThreads) tree_build_kernel(TreeBuildArgs a) {
   extern __shared__ double smem[];
   const int n = a.budget + 1, W = (n + 31) / 32;
@@ -32,8 +118,16 @@ __global__ void __launch_bounds__(kThreads) tree_build_kernel(TreeBuildArgs a) {
   __shared__ int used;
 
   const size_t lk = (size_t)a.L * a.K;
+  const float* lp = a.top_logp + b * lk;
   const int64_t* ids = a.top_ids + b * lk;
-  if (threadIdx.x == 0) used = tree::build_one(a.top_logp + b * lk, a.L, a.K, a.budget, s);
+  if (kWarp) {
+    if (threadIdx.x < 32) {
+      const int u = warp_build_one(lp, a.L, a.K, a.budget, s);
+      if (threadIdx.x == 0) used = u;
+    }
+  } else if (threadIdx.x == 0) {
+    used = tree::build_one(lp, a.L, a.K, a.budget, s);
+  }
   __syncthreads();
 
   const size_t o = (size_t)b * n;
@@ -64,12 +158,25 @@ __global__ void __launch_bounds__(kThreads) tree_build_kernel(TreeBuildArgs a) {
   if (threadIdx.x == 0) a.num_nodes[b] = used;
 }
 
+// KDT_TREE_BUILD_VARIANT, read once: true for the warp variant (the default).
+bool use_warp_variant() {
+  static const bool warp = [] {
+    const char* v = std::getenv("KDT_TREE_BUILD_VARIANT");
+    return !(v && std::strcmp(v, "heap") == 0);
+  }();
+  return warp;
+}
+
 }  // namespace
 
 kdt_status tree_build_cuda(const TreeBuildArgs& a, void* stream) {
   static const char* fn = "kdt_tree_build";
   const size_t smem = smem_bytes(a.budget + 1);
-  tree_build_kernel<<<a.bs, kThreads, smem, static_cast<cudaStream_t>(stream)>>>(a);
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  if (use_warp_variant())
+    tree_build_kernel<true><<<a.bs, kThreads, smem, st>>>(a);
+  else
+    tree_build_kernel<false><<<a.bs, kThreads, smem, st>>>(a);
   KDT_CUDA_CHECK(cudaGetLastError(), fn);
   return KDT_OK;
 }
