@@ -252,3 +252,22 @@ def test_ssh_config_alias(loopback_sshd, tmp_path, monkeypatch):
         argv, target = t.ssh_command()
         r = subprocess.run(argv + [target, "echo", "plain ssh"], capture_output=True, text=True, timeout=30)
         assert r.stdout == "plain ssh\n", r.stderr
+
+
+def test_proxyjump_checks_every_hop(loopback_sshd, tmp_path, monkeypatch):
+    """ProxyJump from ssh_config: both hops are the loopback sshd; both are host-key checked."""
+    kh = tmp_path / "known_hosts"
+    block = (f"  HostName 127.0.0.1\n  Port {loopback_sshd.port}\n  User {loopback_sshd.user}\n"
+             f"  IdentityFile {loopback_sshd.identity_file}\n  UserKnownHostsFile {kh}\n")
+    cfg = tmp_path / "ssh_config"
+    cfg.write_text(f"Host kdt-jump\n{block}Host kdt-target\n{block}  ProxyJump kdt-jump\n")
+    monkeypatch.setenv("KDTREE_SSH_CONFIG", str(cfg))
+    path = tmp_path / "jumped.yaml"
+    path.write_text(f"transport: ssh\nssh_config_alias: kdt-target\nremote_dir: {tmp_path}/remote\ncuda_arch: cpu\n")
+    kh.write_text("")
+    with pytest.raises(HostKeyError, match="not known"):  # the jump hop is refused first
+        open_transport(load_host(str(path), HOSTS))
+    kh.write_text(loopback_sshd.known_hosts.read_text())
+    with open_transport(load_host(str(path), HOSTS)) as t:
+        assert t.conn.gateway is not None
+        assert t.run(["echo", "through the jump"]).stdout == "through the jump\n"
