@@ -88,36 +88,40 @@ def _remote(name: str, host: str | None, as_json: bool, **flags) -> None:
         raise Exit(code=code)
 
 
-@task(auto_shortflags=False, help=HOST_HELP | {"no_build": "sync only, do not build"})
+LOCK_HELP = {"lock_wait": "seconds to wait for <remote_dir>/.lock held by someone else (600)"}
+
+
+@task(auto_shortflags=False, help=HOST_HELP | LOCK_HELP | {"no_build": "sync only, do not build"})
 @_guarded
-def deploy(c, host=None, dry_run=False, json=False, accept_new_host_key=False, no_build=False):
+def deploy(c, host=None, dry_run=False, json=False, accept_new_host_key=False, no_build=False, lock_wait=600):
     """Sync the source to the host(s) and build libkdtree.so there."""
-    _remote("deploy", host, json, dry_run=dry_run, accept_new_host_key=accept_new_host_key, no_build=no_build)
+    _remote("deploy", host, json, dry_run=dry_run, accept_new_host_key=accept_new_host_key, no_build=no_build,
+            lock_wait_s=float(lock_wait))
 
 
-@task(auto_shortflags=False, help=HOST_HELP | {
+@task(auto_shortflags=False, help=HOST_HELP | LOCK_HELP | {
     "no_deploy": "run against what is already deployed", "no_build": "deploy syncs only",
     "suite": "native (default: cuda/run_tests.sh + pytest -m native) or selftest (the pipeline's own check)"})
 @_guarded
 def test_remote(c, host=None, dry_run=False, json=False, accept_new_host_key=False, no_deploy=False,
-                no_build=False, suite=None):
+                no_build=False, suite=None, lock_wait=600):
     """Deploy, then run the native tests and pytest -m native on the host(s); exit 1 on failures."""
     if suite not in (None, "native", "selftest"):
         _fail(f"error: test-remote: --suite {suite!r}: expected native or selftest", 5)
     _remote("test_remote", host, json, dry_run=dry_run, accept_new_host_key=accept_new_host_key,
-            no_deploy=no_deploy, no_build=no_build, suite=suite)
+            no_deploy=no_deploy, no_build=no_build, suite=suite, lock_wait_s=float(lock_wait))
 
 
-@task(auto_shortflags=False, help=HOST_HELP | {
+@task(auto_shortflags=False, help=HOST_HELP | LOCK_HELP | {
     "suite": "comma list for python -m bench (default kernels,tree_build,e2e), or selftest",
     "quick": "a short run", "detach": "start it in its own session on the host, print the run id, return",
     "no_deploy": "run against what is already deployed", "no_build": "deploy syncs only"})
 @_guarded
 def bench(c, host=None, dry_run=False, json=False, accept_new_host_key=False, suite=None, quick=False,
-          detach=False, no_deploy=False, no_build=False):
+          detach=False, no_deploy=False, no_build=False, lock_wait=600):
     """Deploy, then run the benchmarks on the host(s) into a run folder."""
     _remote("bench", host, json, dry_run=dry_run, accept_new_host_key=accept_new_host_key, suite=suite,
-            quick=quick, detach=detach, no_deploy=no_deploy, no_build=no_build)
+            quick=quick, detach=detach, no_deploy=no_deploy, no_build=no_build, lock_wait_s=float(lock_wait))
 
 
 @task(auto_shortflags=False, help=HOST_HELP | {

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import time
 from pathlib import Path
 
@@ -250,3 +251,29 @@ def test_dry_run_prints_the_plan_and_touches_nothing(loopback_sshd, clone, hosts
     assert any(s["name"] == "pytest-native" for s in test["steps"]) and test["paths"]["run"].startswith(f"{remote}/runs/")
     assert "plan: deploy on dry" in r.stderr and "plan: test on dry" in r.stderr
     assert not Path(remote).exists(), "a dry run must not create the remote folder"
+
+
+def test_held_lock_makes_deploy_wait_then_fail_naming_the_holder(loopback_sshd, clone, hosts_dir, tmp_path):
+    """A live holder (a process on the host) keeps the lock: deploy waits, names it, exits 3;
+    once the holder is gone the lock is stale and the next deploy breaks it and succeeds."""
+    h = str(host_yaml(loopback_sshd, hosts_dir, tmp_path, "busy"))
+    lock = tmp_path / "remote-busy/.lock"
+    lock.mkdir(parents=True)
+    holder = subprocess.Popen(["sleep", "60"])
+    try:
+        (lock / "owner.json").write_text(json.dumps({
+            "token": "t", "holder": "someone@elsewhere pid 4242", "purpose": "deploy", "host_pid": holder.pid,
+            "since": "2026-01-01T00:00:00Z", "expires": time.time() + 600}))
+        inv = Invoke(clone)
+        r = inv("deploy", "--host", h, "--no-build", "--lock-wait", "2")
+        assert r.returncode == 3, explain(r)
+        assert "waiting for" in r.stderr and "someone@elsewhere pid 4242" in r.stderr, explain(r)
+        err = [l for l in r.stderr.splitlines() if l.startswith("error:")]
+        assert err and err[0].startswith("error: busy: deploy:") and "is held by someone@elsewhere" in err[0], explain(r)
+        assert not (tmp_path / "remote-busy/src").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    r = inv("deploy", "--host", h, "--no-build", "--lock-wait", "2")
+    assert r.returncode == 0 and "breaking the stale lock" in r.stderr, explain(r)
+    assert (tmp_path / "remote-busy/src/tasks.py").is_file() and not lock.exists()
