@@ -17,7 +17,8 @@ Derived rates (formula beside each):
   speedup_vs_ar           = median(AR samples) / median(samples), same device and batch
 
 Options (ctx.args): `weights` (a folder; default: the tiny model, `python -m engine.model init`
-with seed 0 into <out>/e2e_weights), `prompts` (count), `new_tokens`.
+with seed 0 into <out>/e2e_weights), and any key of `grid()` (`prompts`, `new_tokens`,
+`budgets`, `qualities`, `batches`, `reps`, `block`) to override the default grid.
 """
 
 from __future__ import annotations
@@ -88,8 +89,10 @@ def run(ctx) -> dict:
     from engine.native.engine import Engine
 
     g = grid(ctx.quick)
-    n_prompts = int(ctx.args.get("prompts", g["prompts"]))
-    new_tokens = int(ctx.args.get("new_tokens", g["new_tokens"]))
+    for key in g:  # ctx.args may override any grid entry (e.g. from a driver script)
+        if key in ctx.args and ctx.args[key] is not None:
+            g[key] = ctx.args[key]
+    n_prompts, new_tokens = int(g["prompts"]), int(g["new_tokens"])
     weights = _weights(ctx)
     params = {"weights": str(weights), "prompts": n_prompts, "new_tokens": new_tokens,
               "prompt_seed": PROMPT_SEED, "budgets": g["budgets"], "oracle_qualities": g["qualities"],
