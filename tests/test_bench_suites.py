@@ -147,3 +147,23 @@ def test_real_sglang_baseline_agrees(ctx):
     seed = int(np.random.SeedSequence().entropy % 2**32)
     recs = tree_build._case(ctx.library, ["cpu"], 2, 15, seed, quick=True)
     assert all(r["validation"]["ok"] for r in recs), ([r["validation"] for r in recs], seed)
+
+
+@pytest.mark.slow
+def test_cli_quick_cpu_end_to_end(ctx, tmp_path):
+    """What CI runs: both suites through `python -m bench`, files written, exit status 0."""
+    import json
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-m", "bench", "--suite", "kernels,tree_build", "--quick",
+                        "--device", "cpu", "--out", str(tmp_path)], cwd=bench.REPO_ROOT,
+                       capture_output=True, text=True, timeout=600,
+                       env={**__import__("os").environ, "KDTREE_LIB": str(ctx.library.path)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    for name in ("kernels", "tree_build"):
+        doc = json.loads((tmp_path / f"{name}.json").read_text())
+        assert doc["status"] == "ok" and doc["results"], doc.get("error")
+        assert doc["build"]["library"] == str(ctx.library.path) and doc["build"]["commands"]
+        assert "git" in doc["provenance"] and "host_facts" in doc["provenance"]
+        assert (tmp_path / f"{name}.txt").read_text().strip()
+    assert "cpu" in json.loads((tmp_path / "kernels.json").read_text())["ceilings"]
