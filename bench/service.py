@@ -1,0 +1,296 @@
+"""Suite `service`: a served model under concurrency, as a client sees it (issue 7).
+
+    python -m bench --suite service --out DIR [--quick] [--device cpu|cuda] [--url URL]
+
+With --url: sweeps the server at URL (any OpenAI-compatible /v1/completions: ours, vLLM's,
+SGLang's). Without: for each mode (AR, then DDTree) starts our server (`python -m engine.serve`)
+on 127.0.0.1 on a free port with the tiny model (`engine.model` init, seed 0, its block drafter
+seed 1; or the `weights` option), on cuda when ctx.devices has it, else cpu; waits for /health;
+checks its tokens against the engine's direct greedy output; sweeps; stops it. Server logs go to
+DIR/service_server_<mode>.log.
+
+The sweep (bench/service_load.py has the measurement and the formulas): one warm-up request,
+then per concurrency level a fixed number of streamed greedy requests with max_tokens each,
+prompts from a seeded generator (fixed seed: runs compare like with like) or a prompts file.
+One record per (server, level) with the raw per-request records, `samples` = request latencies
+(s), aggregate and per-request tokens/s, TTFT / ITL / TPOT p50, p90, p99, request throughput and
+errors. Validation (`ok`) fails when a token count differs from max_tokens or, for our server,
+when served tokens differ from Engine.generate's AR tokens for the same prompts.
+
+Options: ctx.args keys, else environment variables KDT_SERVICE_<KEY> (upper case), else the
+defaults below (--quick: QUICK). concurrency (comma list), requests (per level), max_tokens,
+prompt_tokens, prompts (a file: .jsonl {"prompt": ...} lines, or text lines), modes (comma list
+of ar, ddtree), budget, weights, max_batch (default: the largest level), timeout_s (per request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from bench import REPO_ROOT, format_table
+from bench.service_load import (get_model, load_prompts, request_once, run_level,
+                                seeded_prompts, summarize_level)
+from bench.timing import summarize
+
+NAME = "service"
+DEFAULTS = {"concurrency": "1,4,8,10,16,32", "requests": 64, "max_tokens": 256,
+            "prompt_tokens": 32, "seed": 1234, "prompts": None, "modes": "ar,ddtree",
+            "budget": 63, "weights": None, "max_batch": None, "timeout_s": 600.0}
+QUICK = {**DEFAULTS, "concurrency": "1,4", "requests": 8, "max_tokens": 32}
+VALIDATE_PROMPTS, VALIDATE_TOKENS = 3, 16
+HEALTH_TIMEOUT_S = 300.0  # engine creation + drafter load (+ CUDA context) on a busy host
+
+
+def options(ctx) -> dict:
+    base = QUICK if ctx.quick else DEFAULTS
+    out = {}
+    for key, default in base.items():
+        v = ctx.args.get(key)
+        if v is None:
+            v = os.environ.get(f"KDT_SERVICE_{key.upper()}", default)
+        out[key] = v
+    try:
+        for key in ("requests", "max_tokens", "prompt_tokens", "seed", "budget"):
+            out[key] = int(out[key])
+        out["timeout_s"] = float(out["timeout_s"])
+        c = out["concurrency"]
+        out["concurrency"] = [int(x) for x in (c.split(",") if isinstance(c, str) else c)]
+        m = out["modes"]
+        out["modes"] = [x.strip() for x in (m.split(",") if isinstance(m, str) else m)]
+        if out["max_batch"] is not None:
+            out["max_batch"] = int(out["max_batch"])
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"service: bad option: {e}") from None
+    if not out["concurrency"] or min(out["concurrency"]) < 1 or out["requests"] < 1:
+        raise ValueError(f"service: concurrency {out['concurrency']} and requests "
+                         f"{out['requests']} must be >= 1")
+    bad = [m for m in out["modes"] if m not in ("ar", "ddtree")]
+    if bad:
+        raise ValueError(f"service: modes {bad}: expected ar and/or ddtree")
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get_json(url: str, timeout: float = 5.0) -> tuple[int, dict | None]:
+    """(HTTP status, parsed body or None); status 0 when nothing answered."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        try:
+            return e.code, json.loads(e.read())
+        except ValueError:
+            return e.code, None
+    except (OSError, ValueError):
+        return 0, None
+
+
+def wait_healthy(url: str, timeout_s: float, proc=None, log_path=None) -> dict:
+    """Polls GET url/health until 200 (bounded); fails early if `proc` exits."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status, body = get_json(f"{url}/health", timeout=2.0)
+        if status == 200:
+            return body
+        if proc is not None and proc.poll() is not None:
+            tail = Path(log_path).read_text()[-2000:] if log_path else ""
+            raise RuntimeError(f"the server exited with {proc.returncode} before /health "
+                               f"answered; its log ({log_path}) ends:\n{tail}")
+        time.sleep(0.2)
+    raise RuntimeError(f"{url}/health did not answer 200 within {timeout_s:g} s"
+                       + (f" (log: {log_path})" if log_path else ""))
+
+
+class ServerProcess:
+    """`python -m engine.serve` on 127.0.0.1:<free port> for a with-block; `.url` inside."""
+
+    def __init__(self, weights, mode: str, budget: int, device: str, max_batch: int,
+                 max_queue: int, log_path, extra=()):
+        self.argv = [sys.executable, "-m", "engine.serve", "--weights", str(weights), "--mode",
+                     mode, "--budget", str(budget), "--device", device, "--max-batch",
+                     str(max_batch), "--max-queue", str(max_queue), *extra]
+        self.log_path = Path(log_path)
+        self.proc = None
+        self.url = None
+
+    def __enter__(self) -> "ServerProcess":
+        port = free_port()
+        self.argv += ["--bind", "127.0.0.1", "--port", str(port)]
+        self.url = f"http://127.0.0.1:{port}"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(REPO_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.argv, cwd=REPO_ROOT, env=env, stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            wait_healthy(self.url, HEALTH_TIMEOUT_S, self.proc, self.log_path)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def tiny_weights(folder: Path) -> Path:
+    from engine import drafters, model
+
+    cfg = model.tiny_config()
+    model.save_weights(folder, cfg, model.init_weights(cfg, 0))
+    drafters.init_block_drafter(folder, seed=1)
+    return folder
+
+
+async def _served_ids(url: str, prompts: list, n: int) -> list:
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
+        model = await get_model(s, url)
+        recs = [await request_once(s, url, model, p, n, keep_ids=True) for p in prompts]
+    for r in recs:
+        if r["error"]:
+            raise RuntimeError(f"validation request to {url} failed: {r['error']}")
+    return [r["token_ids"] for r in recs]
+
+
+def engine_check(url: str, weights, device: str, prompts: list) -> dict:
+    """Served token ids == Engine.generate(mode='ar') for the same prompts (exact)."""
+    from engine.native.engine import Engine
+
+    served = asyncio.run(_served_ids(url, prompts, VALIDATE_TOKENS))
+    with Engine(weights, device=device) as eng:
+        direct = [t.tolist() for t in eng.generate(prompts, VALIDATE_TOKENS, mode="ar").tokens]
+    for i, (s, d) in enumerate(zip(served, direct)):
+        if s != d:
+            return {"ok": False, "error": f"prompt {i}: served {s} != engine {d}"}
+    return {"ok": True, "prompts": len(prompts), "tokens": VALIDATE_TOKENS}
+
+
+async def sweep(url: str, prompts: list, opts: dict, ours: bool) -> tuple[str, list]:
+    """(model id, [(concurrency, records, wall, server stats)]) after one unrecorded warm-up
+    request. Server stats: our /health counters after the level (cumulative), else None."""
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=opts["timeout_s"])) as s:
+        model = await get_model(s, url)
+        warm = await request_once(s, url, model, prompts[0], min(opts["max_tokens"], 16))
+        if warm["error"]:
+            raise RuntimeError(f"warm-up request to {url} failed: {warm['error']}")
+    levels = []
+    for c in opts["concurrency"]:
+        records, wall = await run_level(url, model, prompts, c, opts["requests"],
+                                        opts["max_tokens"], opts["timeout_s"])
+        stats = get_json(f"{url}/health")[1] if ours else None
+        levels.append((c, records, wall, stats))
+    return model, levels
+
+
+def _records(backend: str, url: str, model: str, levels, opts: dict, extra_case: dict,
+             check: dict | None) -> list:
+    out = []
+    for c, records, wall, server_stats in levels:
+        s = summarize_level(records, wall, opts["max_tokens"])
+        samples = [r["latency"] for r in records if not r["error"]]
+        tc = s["token_check"]
+        ok = tc["n_mismatches"] == 0 and (check is None or check["ok"])
+        out.append({
+            "bench": NAME, "backend": backend,
+            "case": {"concurrency": c, "requests": opts["requests"],
+                     "max_tokens": opts["max_tokens"], "prompt_tokens": opts["prompt_tokens"],
+                     "model": model, "url": url, **extra_case},
+            "samples": samples, "summary": summarize(samples) if samples else None,
+            **s, "server_stats": server_stats,
+            "validation": {"ok": ok, "token_check": tc, "engine_check": check,
+                           **({} if ok else {"error": (tc["mismatches"][:1] or
+                                                       [check and check.get("error")])[0]})},
+            "requests": records,
+        })
+    return out
+
+
+def run(ctx) -> dict:
+    opts = options(ctx)
+    url = ctx.args.get("url")
+    if opts["prompts"]:
+        prompts = load_prompts(opts["prompts"])
+    else:
+        prompts = seeded_prompts(max(opts["requests"], VALIDATE_PROMPTS), opts["prompt_tokens"],
+                                 opts["seed"])
+    results = []
+    if url:
+        url = url.rstrip("/")
+        model, levels = asyncio.run(sweep(url, prompts, opts, ours=False))
+        results += _records("url", url, model, levels, opts, {}, None)
+    else:
+        device = "cuda" if "cuda" in ctx.devices else "cpu"
+        tmp = None
+        weights = opts["weights"]
+        if not weights:
+            tmp = Path(tempfile.mkdtemp(prefix="kdt-service-"))
+            weights = tiny_weights(tmp)
+        max_batch = opts["max_batch"] or max(opts["concurrency"])
+        try:
+            for mode in opts["modes"]:
+                log = Path(ctx.out_dir) / f"service_server_{mode}.log"
+                name = ("--served-model-name", "kdtree-tiny") if tmp is not None else ()
+                with ServerProcess(weights, mode, opts["budget"], device, max_batch,
+                                   max_batch, log, extra=name) as srv:
+                    check = engine_check(srv.url, weights, device, prompts[:VALIDATE_PROMPTS])
+                    model, levels = asyncio.run(sweep(srv.url, prompts, opts, ours=True))
+                results += _records(f"{mode}/{device}", srv.url, model, levels, opts,
+                                    {"mode": mode, "budget": opts["budget"] if mode == "ddtree"
+                                     else None, "device": device}, check)
+        finally:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return {"params": {k: v for k, v in opts.items()} | {"url": url,
+                                                        "prompts_source": opts["prompts"] or
+                                                        f"seeded({opts['seed']})"},
+            "results": results, "table": table(results)}
+
+
+def _ms(d, key) -> float | None:
+    return None if not d else d[key] * 1e3
+
+
+def table(results: list) -> str:
+    rows = []
+    for r in results:
+        rows.append([r["backend"], r["case"]["concurrency"],
+                     r["rates"]["aggregate_tokens_per_s"]["value"],
+                     (r["per_request_tokens_per_s"] or {}).get("p50"),
+                     _ms(r["ttft_s"], "p50"), _ms(r["ttft_s"], "p99"),
+                     _ms(r["itl_s"], "p50"), _ms(r["itl_s"], "p99"),
+                     r["rates"]["request_throughput"]["value"], r["errors"],
+                     "ok" if r["validation"]["ok"] else "FAIL"])
+    return format_table(["server", "conc", "tok/s", "req tok/s p50", "TTFT p50 ms",
+                         "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "req/s", "errors", "valid"],
+                        rows)
