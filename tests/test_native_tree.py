@@ -150,3 +150,40 @@ def test_library_reports_build_info():
     assert lib.path.is_file(), lib.path
     assert lib.build_info.get("commands"), f"{lib.path.parent}/build_info.json has no commands"
     assert lib.version.count(".") == 2, lib.version
+
+
+@pytest.mark.cuda
+def test_build_and_accept_under_cuda_graph_capture(cuda_ready):
+    # The CUDA entry points must not synchronise or allocate: capture both in one graph, replay
+    # on new inputs copied into the captured buffers, compare with the reference.
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device here")
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    bs, L, K, budget = 8, 15, 32, 128
+    first = [torch.from_numpy(a).cuda() for a in random_build_inputs(rng, bs, L, K, ties=True)]
+    target = torch.zeros((bs, budget + 1), dtype=torch.int64, device="cuda")
+    nat = native()
+    nat.build_tree(*first[:2], budget, *first[2:], device="cuda")  # warm-up outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tree = nat.build_tree(*first[:2], budget, *first[2:], device="cuda")
+        acc = nat.accept_greedy(tree, target, device="cuda")
+    for trial in range(3):
+        args = random_build_inputs(rng, bs, L, K, ties=True)
+        for dst, src in zip(first, args):
+            dst.copy_(torch.from_numpy(src))
+        ref = ddtree.build_tree(*args[:2], budget, *args[2:])
+        tgt = rng.choice(ref.tokens.reshape(-1), size=(bs, budget + 1)).astype(np.int64)
+        target.copy_(torch.from_numpy(tgt))
+        graph.replay()
+        torch.cuda.synchronize()
+        as_np = ddtree.Tree(**{f: getattr(tree, f).cpu().numpy() for f in FIELDS_TREE})
+        assert_same(as_np, ref, FIELDS_TREE, f"seed={seed} graph replay {trial}")
+        ref_acc = ddtree.accept_greedy(ref, tgt)
+        got_acc = ddtree.Accept(**{f: getattr(acc, f).cpu().numpy()
+                                   for f in ("accept_index", "accept_len", "bonus", "status")})
+        assert_same(got_acc, ref_acc, ["accept_index", "accept_len", "bonus", "status"],
+                     f"seed={seed} graph replay {trial} accept")
