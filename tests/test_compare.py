@@ -168,3 +168,14 @@ def test_latest_run(tmp_path, rng):
     b = _write_run(tmp_path, "20260102T000000Z-bbbbbbb-bench", {(1, "x"): 1e-5}, rng)
     assert cmp.latest_run(tmp_path / "h200") == b
     assert cmp.latest_run(tmp_path / "h200", exclude=b) == a
+
+
+def test_record_keys():
+    assert cmp.record_key({"bench": "tree_build", "backend": "cuda", "case": {"budget": 15, "bs": 1}}) \
+        == "tree_build/cuda bs=1 budget=15"
+    # bench/e2e.py writes its case as a string: it must still tell records apart
+    a = cmp.record_key({"bench": "e2e", "backend": "cpu", "case": "ddtree B=15 block bs=1"})
+    b = cmp.record_key({"bench": "e2e", "backend": "cpu", "case": "ar B=0 - bs=1"})
+    assert a != b and a == "e2e/cpu ddtree B=15 block bs=1"
+    assert cmp.record_key({"name": "sha256_64KiB", "bytes_per_s": 1.5e9}) == "sha256_64KiB"
+    assert cmp.record_key({"what": "x", "bs": 4, "rate": 2.5}) == "bs=4 what=x"

@@ -47,6 +47,12 @@ def _run(root, run_id, rng, speed=1.0):
     (d / "kernels.json").write_text(json.dumps({
         "schema": 1, "suite": "kernels", "status": "ok", "params": {}, "results": att, "table": "",
         "ceilings": {"cuda": {"copy": {"value": 4200.0}, "matmul": {"value": 770.0, "params": {"dtype": "bfloat16", "n": 8192}}}}}))
+    e2e = [{"bench": "e2e", "backend": "cuda", "batch": 1, "mode": "ddtree", "budget": 15,
+            "drafter": "block", "case": "ddtree B=15 block bs=1", "samples": [0.5, 0.5, 0.5],
+            "summary": {"median": 0.5}, "validation": {"ok": True},
+            "rates": {"tokens_per_s": 400.0, "target_forwards_per_token": 0.25}}]
+    (d / "e2e.json").write_text(json.dumps({"schema": 1, "suite": "e2e", "status": "ok",
+                                            "params": {"weights": "/x/e2e_weights"}, "results": e2e, "table": "e2e\n"}))
     (d / "selftest.json").write_text(json.dumps({"suite": "selftest", "params": {}, "results": [
         {"name": "sha256_64KiB", "samples": [1e-5], "summary": {"median": 1e-5}}]}))
     return d
@@ -85,6 +91,9 @@ def test_report_page_plots_and_computed_figures(tmp_path, rng):
     step = 61 * next(r["summary"]["median"] for r in att if r["case"] == {
         "bs": 1, "prefix": 32768, "tree": 16, "dtype": "bfloat16"})
     assert report._pct(med[("native-cuda", 1, 15)] / step) in text
+    # the e2e step: batch / (forwards per token x tokens/s) = 1 / (0.25 x 400) = 10 ms
+    assert "bs = 1, DDTree budget 15, drafter block): 10.00 ms per target forward" in text
+    assert report._pct(med[("native-cuda", 1, 15)] / 0.01) + " of it" in text
     # plots exist, are PNGs, and the page links every one
     pngs = sorted(docs.glob("BENCHMARKS_h200_*.png"))
     assert {p.stem.split("h200_")[1] for p in pngs} == {"tree_vs_batch", "tree_vs_budget", "speedup",

@@ -128,8 +128,11 @@ def _bootstrap_change(a, b, seed: int, reps: int = 1000) -> tuple:
 def record_key(rec: dict) -> str:
     """A record's identity: `bench/backend` (or `name`) and its case parameters; for other
     shapes, its string and integer fields (floats are taken to be measurements)."""
-    case = rec.get("case") if isinstance(rec.get("case"), dict) else {}
-    tail = " ".join(f"{k}={case[k]}" for k in sorted(case))
+    case = rec.get("case")
+    if isinstance(case, dict):
+        tail = " ".join(f"{k}={case[k]}" for k in sorted(case))
+    else:
+        tail = "" if case is None else str(case)  # e.g. bench/e2e.py's "ddtree B=15 block bs=1"
     if "bench" in rec:
         head = "/".join(str(rec[k]) for k in ("bench", "backend") if rec.get(k) is not None)
         return f"{head} {tail}".strip()

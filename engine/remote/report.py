@@ -151,14 +151,19 @@ def _ceilings(run) -> dict:
     return out
 
 
-def _step_time(run):
-    """A measured decode-step time from the e2e suite, when it recorded one: the median of its
-    first record whose bench / name / case mentions 'step'."""
+def _step_times(run) -> list:
+    """Decode-step times measured by the e2e suite (bench/e2e.py): for each timed DDTree record,
+    step = batch / (target_forwards_per_token * tokens_per_s), i.e. the median wall time over the
+    number of sequential target forwards (each forward is one step). [(step_s, record)]."""
+    out = []
     for r in _timed(run["suites"].get("e2e")):
-        label = json.dumps({k: r.get(k) for k in ("bench", "name", "case", "metric")}).lower()
-        if "step" in label:
-            return r["summary"]["median"], r
-    return None, None
+        rates = r.get("rates") or {}
+        tps, fpt = rates.get("tokens_per_s"), rates.get("target_forwards_per_token")
+        if r.get("mode") != "ddtree" or not isinstance(tps, (int, float)) or not isinstance(fpt, (int, float)):
+            continue
+        if tps > 0 and fpt > 0 and r.get("batch"):
+            out.append((r["batch"] / (fpt * tps), r))
+    return out
 
 
 def _meaning(run) -> list:
@@ -174,18 +179,24 @@ def _meaning(run) -> list:
         out.append(f"- Tree build: no SGLang-style path in this run, so no speedup; {nat} at "
                    f"bs = 64, budget = 255: {_us(_median(recs, nat, 64, 255))}.")
     att = list(_timed(run["suites"].get("kernels"), "verify_attention"))
-    step, step_rec = _step_time(run)
-    if recs and nat and step:
-        for bs, budget in ((1, 15), (64, 255)):
-            t_nat, t_sg = _median(recs, nat, bs, budget), _median(recs, sg, bs, budget) if sg else None
-            if t_nat:
-                out.append(f"- At the measured decode step of {_us(step)} (e2e: "
-                           f"{step_rec.get('bench') or step_rec.get('name')} {step_rec.get('case', '')}), "
-                           f"the {nat} tree build at bs = {bs}, budget = {budget} is "
-                           f"{_pct(t_nat / step)} of the step"
-                           + (f"; the SGLang-style path would be {_pct(t_sg / step)}" if t_sg else "") + ".")
-    elif recs and nat and att:
-        # No measured step: bound a step from below by its attention alone.
+    steps = _step_times(run)
+    shown = set()
+    for step, r in sorted(steps, key=lambda x: (x[1].get("backend", ""), x[1]["batch"], x[1].get("budget", 0))):
+        bs, budget, dev = r["batch"], r.get("budget"), r.get("backend")
+        if (dev, bs, budget) in shown or not nat:
+            continue
+        t_nat = _median(recs, nat, bs, budget)
+        if not t_nat:
+            continue
+        shown.add((dev, bs, budget))
+        t_sg = _median(recs, sg, bs, budget) if sg else None
+        weights = Path(str((run["suites"]["e2e"].get("params") or {}).get("weights", "?"))).name
+        out.append(f"- Measured decode step (e2e, {dev}, weights `{weights}`, bs = {bs}, DDTree "
+                   f"budget {budget}, drafter {r.get('drafter')}): {_us(step)} per target forward. "
+                   f"The {nat} tree build at that bs and budget is {_pct(t_nat / step)} of it"
+                   + (f"; the SGLang-style path would be {_pct(t_sg / step)}" if t_sg else "") + ".")
+    if recs and nat and att:
+        # The Kimi K2 shape: a step is bounded below by its verify attention alone.
         for bs, budget, tree in ((1, 15, 16), (64, 63, 64)):
             cands = [r for r in att if r["case"]["bs"] == bs and r["case"]["tree"] == tree
                      and r["case"]["dtype"] == "bfloat16"]
@@ -198,8 +209,8 @@ def _meaning(run) -> list:
             out.append(
                 f"- bs = {bs}, tree of {tree} nodes (budget {budget}), prefix {a['case']['prefix']}: "
                 f"the verify attention alone costs {KIMI_LAYERS} layers x {_us(a['summary']['median'])}"
-                f" = {_us(step_att)} per step ({a['backend']}, bf16 cache; no measured step time in "
-                f"this run). The {nat} tree build adds {_us(t_nat)} = {_pct(t_nat / step_att)} of that"
+                f" = {_us(step_att)} per step ({a['backend']}, bf16 cache; a lower bound: the "
+                f"MoE and projections come on top). The {nat} tree build adds {_us(t_nat)} = {_pct(t_nat / step_att)} of that"
                 + (f"; the SGLang-style path would add {_us(t_sg)} = {_pct(t_sg / step_att)}" if t_sg else "")
                 + ".")
     by_dev = {}
