@@ -1,0 +1,253 @@
+"""Server pieces without the native engine: the byte tokenizer, request parsing (greedy only,
+errors naming the field) and the continuous-batching worker over a fake engine."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.batcher import Batcher, Overloaded, Unavailable
+from engine.serve import BadRequest, parse_completion
+from engine.tokenizer import ByteTokenizer
+
+VOCAB = 512
+TOK = ByteTokenizer(VOCAB)
+
+
+# ------------------------------------------------------------------ tokenizer
+
+@settings(max_examples=100, deadline=None)
+@given(st.text())
+def test_tokenizer_round_trip(text):
+    ids = TOK.encode(text)
+    assert all(0 <= t < 256 for t in ids)
+    assert TOK.decode(ids) == text
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.text(min_size=1), st.data())
+def test_stream_decoder_any_split_equals_whole(text, data):
+    """Chunks split inside multi-byte characters still decode to the whole text."""
+    ids = TOK.encode(text)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(ids)), max_size=6)))
+    dec, out, prev = TOK.stream_decoder(), [], 0
+    for c in cuts + [len(ids)]:
+        out.append(dec.feed(ids[prev:c]))
+        prev = c
+    out.append(dec.feed([], final=True))
+    assert "".join(out) == text
+
+
+def test_tokenizer_non_byte_ids_and_small_vocab():
+    assert TOK.decode([104, 300, 105]) == "h<|300|>i"
+    with pytest.raises(ValueError, match="vocab_size = 100"):
+        ByteTokenizer(100)
+
+
+# ------------------------------------------------------------------ request parsing
+
+def parse(body, tokenizer=TOK):
+    return parse_completion(body, VOCAB, tokenizer, "tiny")
+
+
+def test_parse_accepts_text_ids_and_greedy_settings():
+    r = parse({"prompt": "hi", "max_tokens": 5, "temperature": 0, "top_p": 1.0, "n": 1,
+               "stream": True, "stream_options": {"include_usage": True}, "model": "tiny",
+               "ignore_eos": True, "seed": 3})
+    assert r == {"prompt": [104, 105], "max_tokens": 5, "stream": True, "usage_chunk": True}
+    r = parse({"prompt": [[1, 2, 511]]})  # a batch of one
+    assert r["prompt"] == [1, 2, 511] and r["max_tokens"] == 16 and r["stream"] is False
+
+
+@pytest.mark.parametrize("body, param, status", [
+    ([1, 2], None, 400),
+    ({}, "prompt", 400),
+    ({"prompt": ""}, "prompt", 400),
+    ({"prompt": []}, "prompt", 400),
+    ({"prompt": [1, 512]}, "prompt", 400),
+    ({"prompt": [1, -1]}, "prompt", 400),
+    ({"prompt": [1, True]}, "prompt", 400),
+    ({"prompt": ["a", "b"]}, "prompt", 400),
+    ({"prompt": 5}, "prompt", 400),
+    ({"prompt": "x", "temperature": 0.7}, "temperature", 400),
+    ({"prompt": "x", "temperature": False}, "temperature", 400),
+    ({"prompt": "x", "top_p": 0.9}, "top_p", 400),
+    ({"prompt": "x", "top_k": 5}, "top_k", 400),
+    ({"prompt": "x", "n": 2}, "n", 400),
+    ({"prompt": "x", "logprobs": 1}, "logprobs", 400),
+    ({"prompt": "x", "echo": True}, "echo", 400),
+    ({"prompt": "x", "stop": ["\n"]}, "stop", 400),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens", 400),
+    ({"prompt": "x", "max_tokens": 2.5}, "max_tokens", 400),
+    ({"prompt": "x", "max_tokens": True}, "max_tokens", 400),
+    ({"prompt": "x", "stream": "yes"}, "stream", 400),
+    ({"prompt": "x", "stream_options": {"foo": 1}}, "stream_options", 400),
+    ({"prompt": "x", "frobnicate": 1}, "frobnicate", 400),
+    ({"prompt": "x", "model": "other"}, "model", 404),
+])
+def test_parse_rejects_naming_the_field(body, param, status):
+    with pytest.raises(BadRequest) as e:
+        parse(body)
+    assert e.value.param == param and e.value.status == status, str(e.value)
+    if param:
+        assert param in str(e.value)
+
+
+def test_parse_text_needs_a_byte_vocabulary():
+    with pytest.raises(BadRequest, match="token ids"):
+        parse_completion({"prompt": "x"}, 100, None, "tiny")
+
+
+# ------------------------------------------------------------------ batcher over a fake engine
+
+class FakeEngine:
+    """The step API of engine.native.Engine with a known token stream: a slot's tokens are
+    t0 = sum(prompt) % 97, then t_{i+1} = (7 t_i + 3) % 101; a step adds 1 token (ar) or 3
+    (ddtree). Records each step's slots; `gate` (an Event) can hold steps back."""
+
+    def __init__(self, max_slots=4, max_seq=1024, step_s=0.002):
+        self.max_slots, self.max_seq, self.device = max_slots, max_seq, "cpu"
+        self.step_s, self.toks, self.prompts = step_s, {}, {}
+        self.log, self.released = [], []
+
+    @staticmethod
+    def stream(prompt, n):
+        t, out = sum(prompt) % 97, []
+        for _ in range(n):
+            out.append(t)
+            t = (7 * t + 3) % 101
+        return out
+
+    def add(self, prompt):
+        slot = min(s for s in range(self.max_slots) if s not in self.toks)
+        self.prompts[slot], self.toks[slot] = prompt, self.stream(prompt, 1)
+        return slot
+
+    def tokens(self, slot):
+        return list(self.toks[slot])
+
+    def step(self, mode, budget, drafter):
+        time.sleep(self.step_s)
+        self.log.append(sorted(self.toks))
+        for slot, out in self.toks.items():
+            self.toks[slot] = self.stream(self.prompts[slot], len(out) + (1 if mode == "ar" else 3))
+        return {}
+
+    def release(self, slot):
+        del self.toks[slot], self.prompts[slot]
+        self.released.append(slot)
+
+
+async def collect(job):
+    out = []
+    while True:
+        kind, value = await job.queue.get()
+        if kind != "tokens":
+            return out, kind, value
+        out.extend(value)
+
+
+@pytest.mark.parametrize("mode", ["ar", "ddtree"])
+def test_batcher_joins_at_step_boundaries_and_trims(mode):
+    seed = secrets.randbelow(1000)
+    eng = FakeEngine()
+    b = Batcher(eng, mode, budget=7, max_batch=4, max_queue=2)
+    b.start()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        a = b.submit([seed, 1], 400, loop)
+        first = []
+        while len(first) < 3:  # A is decoding: B joins mid-flight
+            kind, value = await a.queue.get()
+            first.extend(value)
+        c = b.submit([seed, 2], 10, loop)
+        rest_a, ka, _ = await collect(a)
+        out_c, kc, _ = await collect(c)
+        return first + rest_a, ka, out_c, kc
+
+    try:
+        out_a, ka, out_c, kc = asyncio.run(main())
+    finally:
+        b.stop()
+    assert (ka, kc) == ("done", "done"), f"seed {seed}"
+    assert out_a == FakeEngine.stream([seed, 1], 400), f"seed {seed}: A's tokens"
+    assert out_c == FakeEngine.stream([seed, 2], 10), f"seed {seed}: C's tokens (trimmed)"
+    joint = [s for s in eng.log if len(s) == 2]
+    assert joint, f"seed {seed}: no step ever carried both requests: {eng.log[:5]}"
+    assert eng.log[0] == [0] and not eng.toks, "slots must be released when requests end"
+    st = b.stats()
+    assert st["completed"] == 2 and st["active"] == 0 and st["tokens"] == 410
+
+
+def test_batcher_overload_cancel_and_stop():
+    eng = FakeEngine(max_slots=2, step_s=0.005)
+    b = Batcher(eng, "ar", max_batch=2, max_queue=1)
+    b.start()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        jobs = [b.submit([i], 200, loop) for i in range(3)]  # 2 slots + 1 queued
+        with pytest.raises(Overloaded, match="queued"):
+            b.submit([9], 5, loop)
+        await jobs[0].queue.get()  # job 0 is active
+        b.cancel(jobs[0])
+        b.cancel(jobs[2])  # still queued (or just admitted): freed either way
+        out1, k1, _ = await collect(jobs[1])
+        return k1, out1
+
+    try:
+        k1, out1 = asyncio.run(main())
+        assert k1 == "done" and out1 == FakeEngine.stream([1], 200)
+        st = b.stats()
+        assert st["cancelled"] == 2 and st["completed"] == 1 and st["rejected"] == 1
+        assert st["active"] == 0 and not eng.toks, f"cancelled slots not freed: {eng.toks}"
+    finally:
+        b.stop()
+    assert not b.alive()
+
+    async def after_stop():
+        b.submit([1], 5, asyncio.get_running_loop())
+
+    with pytest.raises(Unavailable):
+        asyncio.run(after_stop())
+
+
+def test_batcher_engine_failure_fails_the_batch_and_keeps_serving():
+    class Flaky(FakeEngine):
+        fail_once = True
+
+        def step(self, mode, budget, drafter):
+            if self.fail_once:
+                self.fail_once = False
+                raise RuntimeError("device fell over")
+            return super().step(mode, budget, drafter)
+
+    eng = Flaky()
+    b = Batcher(eng, "ar", max_batch=4, max_queue=4)
+    b.start()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        bad = await collect(b.submit([1], 5, loop))
+        good = await collect(b.submit([2], 5, loop))
+        return bad, good
+
+    try:
+        bad, good = asyncio.run(main())
+    finally:
+        b.stop()
+    assert bad[1] == "error" and "device fell over" in bad[2]
+    assert good[1] == "done" and good[0] == FakeEngine.stream([2], 5)
+    assert b.stats()["failed"] == 1 and not eng.toks
+
+
+def test_batcher_rejects_prompts_beyond_the_context():
+    b = Batcher(FakeEngine(max_seq=64), "ddtree", budget=15, max_batch=4, max_queue=4)
+    with pytest.raises(ValueError, match="exceeds the context of 64"):
+        b.submit(list(range(40)), 10, None)  # 40 + 10 + 16 > 64
