@@ -19,8 +19,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
-
 __all__ = ["write_report", "load_runs", "headline"]
 
 KIMI_LAYERS = 61  # Kimi K2 / DeepSeek-V3 decoder layers: one verify attention per layer per step
