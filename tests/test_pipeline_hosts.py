@@ -69,6 +69,7 @@ tool tar yes
 tool nvidia-smi yes
 python 3.11.7
 numpy 2.1.0
+pytest 8.3.0
 gpu NVIDIA RTX PRO 6000 Blackwell Server Edition, 12.0, 97887
 gpu NVIDIA RTX PRO 6000 Blackwell Server Edition, 12.0, 97887
 writable yes
@@ -86,16 +87,17 @@ def test_doctor_a_matching_gpu_host():
     assert all(v["status"] != "FAIL" for v in c.values()), c
     assert c["cmake"]["status"] == "warn" and c["rsync"]["status"] == "warn" and "tar" in c["rsync"]["detail"]
     assert c["cuda_arch"]["status"] == "ok" and "12.0" in c["cuda_arch"]["detail"]
-    assert c["disk"]["detail"].startswith("50.0 GiB")
+    assert c["disk"]["detail"].startswith("50.0 GiB") and c["pytest"]["status"] == "ok"
 
 
 def test_doctor_mismatches_fail_with_reasons():
     h = host("h200", cuda_arch="sm_90", gpus={"count": 4, "model": "H200"})
     probe = PROBE_OK.replace("numpy 2.1.0", "numpy ModuleNotFoundError: No module named 'numpy'").replace(
-        "df 52428800", "df 1000").replace("tool nvcc yes", "tool nvcc no")
+        "df 52428800", "df 1000").replace("tool nvcc yes", "tool nvcc no").replace("pytest 8.3.0", "pytest ModuleNotFoundError")
     c = checks_by_name(doctor.evaluate(doctor.parse_probe(probe), h))
     failed = {k for k, v in c.items() if v["status"] == "FAIL"}
     assert failed == {"numpy", "nvcc", "gpus", "cuda_arch", "disk"}, c
+    assert c["pytest"]["status"] == "warn" and "pytest step will fail" in c["pytest"]["detail"]
     assert "No module named" in c["numpy"]["detail"] and "sm_90 needs it" in c["nvcc"]["detail"]
     assert "found 2" in c["gpus"]["detail"] and "expects 4 x H200" in c["gpus"]["detail"]
     assert "builds for 9.0, the GPUs are 12.0" == c["cuda_arch"]["detail"].split(" ", 1)[1]

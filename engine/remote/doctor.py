@@ -6,7 +6,8 @@ Connecting at all (and the host key) is checked by opening the transport; the re
 with one shell script, so a slow link costs one round trip. FAIL means a pipeline step will
 fail there (no python/numpy, no g++, nvcc missing for a GPU arch, fewer GPUs than the inventory
 says, an arch the GPUs cannot run, under 1 GiB free); warn means slower or degraded (no rsync:
-tar is used; no cmake: build.sh calls the compilers itself).
+tar is used; no cmake: build.sh calls the compilers itself; no pytest: only test-remote's pytest
+step fails).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ for p in g++ nvcc cmake rsync tar nvidia-smi; do
 done
 echo "python $({PY} -c 'import sys; print(sys.version.split()[0])' 2>&1 | tail -n 1)"
 echo "numpy $({PY} -c 'import numpy; print(numpy.__version__)' 2>&1 | tail -n 1)"
+echo "pytest $({PY} -c 'import pytest; print(pytest.__version__)' 2>&1 | tail -n 1)"
 if command -v nvidia-smi >/dev/null 2>&1; then
   nvidia-smi --query-gpu=name,compute_cap,memory.total --format=csv,noheader,nounits 2>&1 | sed 's/^/gpu /'
 fi
@@ -46,7 +48,7 @@ def parse_probe(text: str) -> dict:
                 facts["gpus"].append({"name": cells[0], "compute_cap": cells[1], "memory_mib": cells[2]})
             else:
                 facts.setdefault("gpu_error", rest)
-        elif key in ("python", "numpy", "writable", "df"):
+        elif key in ("python", "numpy", "pytest", "writable", "df"):
             facts[key] = rest.strip()
     return facts
 
@@ -67,12 +69,16 @@ def evaluate(facts: dict, host: Host) -> list[dict]:
     def add(name: str, status: str, detail: str) -> None:
         checks.append({"check": name, "status": status, "detail": detail})
 
-    add("connect", "ok", f"{host.address} (host keys {host.host_key_policy})")
+    add("connect", "ok", host.address + (f" (host key verified, policy {host.host_key_policy})"
+                                         if host.transport == "ssh" else ""))
     py, np = facts.get("python", ""), facts.get("numpy", "")
     py_ok = py[:1].isdigit()
     add("python", "ok" if py_ok else "FAIL", f"{host.python} {py}" if py_ok else f"{host.python}: {py or 'not found'}")
     np_ok = np[:1].isdigit()
     add("numpy", "ok" if np_ok else "FAIL", np if np_ok else f"cannot import numpy: {np or 'no output'}")
+    pt = facts.get("pytest", "")
+    add("pytest", "ok" if pt[:1].isdigit() else "warn", pt if pt[:1].isdigit() else
+        f"cannot import pytest ({pt or 'no output'}): test-remote's pytest step will fail; bench is unaffected")
     tools = facts.get("tools", {})
     add("g++", "ok" if tools.get("g++") else "FAIL", "present" if tools.get("g++") else "missing: the build needs it")
     gpu_arch = host.cuda_arch != "cpu"
