@@ -115,13 +115,35 @@ def test_remote(c, host=None, dry_run=False, json=False, accept_new_host_key=Fal
 @task(auto_shortflags=False, help=HOST_HELP | LOCK_HELP | {
     "suite": "comma list for python -m bench (default kernels,tree_build,e2e), or selftest",
     "quick": "a short run", "detach": "start it in its own session on the host, print the run id, return",
-    "no_deploy": "run against what is already deployed", "no_build": "deploy syncs only"})
+    "no_deploy": "run against what is already deployed", "no_build": "deploy syncs only",
+    "url": "service suite: measure the server already running at URL (as seen on the host)"})
 @_guarded
 def bench(c, host=None, dry_run=False, json=False, accept_new_host_key=False, suite=None, quick=False,
-          detach=False, no_deploy=False, no_build=False, lock_wait=600):
+          detach=False, no_deploy=False, no_build=False, lock_wait=600, url=None):
     """Deploy, then run the benchmarks on the host(s) into a run folder."""
     _remote("bench", host, json, dry_run=dry_run, accept_new_host_key=accept_new_host_key, suite=suite,
-            quick=quick, detach=detach, no_deploy=no_deploy, no_build=no_build, lock_wait_s=float(lock_wait))
+            quick=quick, detach=detach, no_deploy=no_deploy, no_build=no_build, lock_wait_s=float(lock_wait),
+            url=url)
+
+
+# ---- serving (engine/remote/serve.py; docs/SERVING.md) ---------------------------------------------
+
+@task(auto_shortflags=False, help={
+    "host": "one host name in hosts/ or a YAML path (default: local)", "mode": "ar or ddtree (default ddtree)",
+    "budget": "DDTree node budget (63)", "port": "port on the host, bound to 127.0.0.1 there (8000)",
+    "weights": "weights folder on the host (default: the tiny model in <remote_dir>/weights/tiny)",
+    "accept_new_host_key": HOST_HELP["accept_new_host_key"]})
+@_guarded
+def serve(c, host=None, mode="ddtree", budget=63, port=8000, weights=None, accept_new_host_key=False):
+    """Start our OpenAI-compatible server on a deployed host, wait for /health, print its URL."""
+    from engine.remote.inventory import resolve_hosts
+    from engine.remote.serve import start_server
+    hosts = resolve_hosts(host, HOSTS_DIR)
+    if len(hosts) != 1:
+        _fail(f"error: serve: --host {host!r}: give exactly one host", 5)
+    info = start_server(hosts[0], mode=mode, budget=int(budget), port=int(port), weights=weights,
+                        accept_new_host_key=accept_new_host_key)
+    print("\n".join(info.lines()))
 
 
 @task(auto_shortflags=False, help=HOST_HELP | {

@@ -45,6 +45,7 @@ class Options:
     no_commit: bool = False
     allow_dirty: bool = False
     lock_wait_s: float = 600.0
+    url: str | None = None        # bench: the service suite measures this server (python -m bench --url)
 
 
 @dataclass(frozen=True)
@@ -203,6 +204,8 @@ def runner_steps_bench(host: Host, lay: Layout, run_dir: str, opts: Options) -> 
         argv = [host.python, "-m", "bench", "--suite", suite, "--out", run_dir]
     if opts.quick:
         argv.append("--quick")
+    if opts.url and suite != SELFTEST:  # the service suite measures a running server (serving area)
+        argv += ["--url", opts.url]
     return [Step("bench", f"benchmark suites {suite}{' (quick)' if opts.quick else ''}",
                  argv=argv, cwd=lay.src, env=env, timeout=host.timeouts.bench)]
 
