@@ -50,8 +50,9 @@ def grid(quick: bool) -> dict:
     return {"bs": [1, 4, 16, 64, 256], "budget": [15, 63, 255, 1023]}
 
 
-def _sglang_fields(out, ref) -> dict:
-    """{our name: numpy array shaped like the reference} for the fields the baseline returns."""
+def _sglang_fields(out, ref, bs: int) -> dict:
+    """{our name: numpy array [bs, ...] shaped and typed like the reference's rows} for the
+    fields the baseline returns (`ref` may hold only a subsample of the bs requests)."""
     from bench.native_calls import to_numpy
 
     found = {}
@@ -62,14 +63,15 @@ def _sglang_fields(out, ref) -> dict:
                 continue
             a = to_numpy(v)
             want = np.asarray(getattr(ref, ours))
-            if a.size == want.size:
-                found[ours] = a.reshape(want.shape).astype(want.dtype)
+            shape = (bs,) + want.shape[1:]
+            if a.size == int(np.prod(shape)):
+                found[ours] = a.reshape(shape).astype(want.dtype)
             break
     return found
 
 
-def _check_sglang(out, ref, rows) -> dict:
-    found = _sglang_fields(out, ref)
+def _check_sglang(out, ref, rows, bs: int) -> dict:
+    found = _sglang_fields(out, ref, bs)
     missing = [f for f in ("tokens", "first_child", "next_sibling") if f not in found]
     if missing:
         have = sorted(out) if isinstance(out, dict) else sorted(
@@ -158,7 +160,7 @@ def _case(lib, devices, bs, budget, seed, quick) -> list:
         t0 = time.perf_counter()
         out = call()
         first = time.perf_counter() - t0
-        v = _check_sglang(out, ref, rows)
+        v = _check_sglang(out, ref, rows, bs)
         if v["ok"]:
             s = _time_slow(call, first, quick)
             recs.append(_rec(name, case, v, s, seed,

@@ -139,6 +139,24 @@ def test_tree_build_catches_a_wrong_sglang_tree(ctx, monkeypatch):
     assert not sg["samples"]
 
 
+def test_tree_build_validates_a_subsample_of_large_batches(ctx, monkeypatch):
+    from bench import tree_build
+    from bench.validate import sample_requests
+
+    import engine.baselines
+
+    monkeypatch.setattr(engine.baselines, "sglang_cpu", _fake_sglang(), raising=False)
+    monkeypatch.setitem(sys.modules, "engine.baselines.sglang_cpu", engine.baselines.sglang_cpu)
+    bs, budget = 20, 1023  # 20 x 1023 nodes is over the full-check limit: 3 requests checked
+    assert sample_requests(bs, budget) == [0, 10, 19]
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    recs = tree_build._case(ctx.library, ["cpu"], bs, budget, seed, quick=True)
+    assert len(recs) == 2, f"seed {seed}"
+    for r in recs:
+        assert r["validation"]["ok"], (r["validation"], seed)
+        assert r["validation"]["checked"] == "requests [0, 10, 19]"
+
+
 def test_real_sglang_baseline_agrees(ctx):
     pytest.importorskip("engine.baselines.sglang_cpu",
                         reason="engine/baselines/sglang_cpu.py (the SGLang-style path) has not landed yet")
