@@ -43,11 +43,12 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Four transposed 8x8 b16 matrices; lane l supplies the row address of matrix l / 8, row l % 8.
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const uint16_t* row) {
+// Two transposed 8x8 b16 matrices; lane l < 16 supplies the row address of matrix l / 8,
+// row l % 8. Lane l receives (M[2 (l%4)][l/4], M[2 (l%4) + 1][l/4]) of each: a B fragment.
+__device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], const uint16_t* row) {
   const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(row));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
                : "r"(addr));
 }
 
@@ -78,16 +79,19 @@ __global__ void __launch_bounds__(256) prefix_kernel_tc(Params p) {
   const int group = warp >> 1, half = warp & 1;
   const int gq = lane >> 2, tq = lane & 3;  // fragment coordinates: row gq (+8), cols 2 tq (+1)
   const int b = blockIdx.z;
-  const int64_t q0 = p.q_indptr[b], q1 = p.q_indptr[b + 1];
-  const int64_t k0 = p.kv_indptr[b], k1 = p.kv_indptr[b + 1];
-  const int64_t n = q1 - q0, kv_len = k1 - k0, P = kv_len - n, H = p.H;
+  // Sizes are int32 by the ABI; 32-bit indices keep registers free for the accumulators
+  // (products that can exceed 2^31 are formed in 64 bits where they are used).
+  const int q0 = p.q_indptr[b], q1 = p.q_indptr[b + 1];
+  const int k0 = p.kv_indptr[b], k1 = p.kv_indptr[b + 1];
+  const int n = q1 - q0, kv_len = k1 - k0, P = kv_len - n, H = p.H;
   const bool valid = q0 >= 0 && k0 >= 0 && n >= 0 && n <= p.max_tree && P >= 0 &&
                      kv_len <= p.max_kv && q1 <= p.total_q && k1 <= p.total_kv;
   if (!valid) return;  // the tree pass poisons this request's rows
-  const int64_t rows = n * H, row_base = int64_t(blockIdx.x) * kBM;
+  const int64_t rows = int64_t(n) * H, row_base = int64_t(blockIdx.x) * kBM;
   if (row_base >= rows) return;
-  const int64_t begin = int64_t(blockIdx.y) * p.chunk, end = min(P, begin + p.chunk);
-  if (begin >= end) return;
+  const int begin = int(int64_t(blockIdx.y) * p.chunk);  // < P <= max_kv when in range
+  if (int64_t(blockIdx.y) * p.chunk >= P) return;
+  const int end = int(min(int64_t(P), int64_t(begin) + p.chunk));
   const uint16_t* q_lat = static_cast<const uint16_t*>(p.q_lat);
   const uint16_t* q_pe = static_cast<const uint16_t*>(p.q_pe);
   const uint16_t* kv = static_cast<const uint16_t*>(p.kv);
@@ -95,7 +99,7 @@ __global__ void __launch_bounds__(256) prefix_kernel_tc(Params p) {
   // ---- the block's queries, once: row r = [q_lat (512) | q_pe (64)], zeros past the request
   for (int e = threadIdx.x; e < kBM * kChunks; e += 256) {
     const int r = e / kChunks, c = e % kChunks;
-    const int64_t g = q0 * H + row_base + r;
+    const int64_t g = int64_t(q0) * H + row_base + r;
     const bool ok = row_base + r < rows;
     const uint16_t* src = c < kDL / 8 ? q_lat + g * kDL + c * 8 : q_pe + g * kDR + (c - kDL / 8) * 8;
     copy16(q_s + r * kLd + c * 8, ok ? src : q_lat, ok);
@@ -108,12 +112,12 @@ __global__ void __launch_bounds__(256) prefix_kernel_tc(Params p) {
   float m[2] = {-INFINITY, -INFINITY};  // rows gq and gq + 8 (quad-uniform)
   float d[2] = {0.f, 0.f};              // lane-partial sums, reduced over the quad at the end
 
-  for (int64_t t0 = begin; t0 < end; t0 += kBN) {
+  for (int t0 = begin; t0 < end; t0 += kBN) {
     const int tn = end - t0 < kBN ? int(end - t0) : kBN;
     __syncthreads();  // previous tile consumed (and, the first time, q_s written)
     for (int e = threadIdx.x; e < kBN * kChunks; e += 256) {
       const int j = e / kChunks, c = e % kChunks;
-      copy16(kv_s + j * kLd + c * 8, kv + (k0 + t0 + (j < tn ? j : 0)) * kDK + c * 8, j < tn);
+      copy16(kv_s + j * kLd + c * 8, kv + int64_t(k0 + t0 + (j < tn ? j : 0)) * kDK + c * 8, j < tn);
     }
     __syncthreads();
 
@@ -134,6 +138,7 @@ __global__ void __launch_bounds__(256) prefix_kernel_tc(Params p) {
     }
     // ---- scale, mask the tile's tail, online softmax (rows gq: i = 0, 1; gq + 8: i = 2, 3)
     float mx[2] = {-INFINITY, -INFINITY};
+    float f[2];  // per-row rescale of o for this tile
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -147,14 +152,9 @@ __global__ void __launch_bounds__(256) prefix_kernel_tc(Params p) {
       mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
       mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
       const float new_m = fmaxf(m[h], mx[h]);  // finite: every tile has tn >= 1 keys
-      const float f = m[h] == -INFINITY ? 0.f : expf(m[h] - new_m);
+      f[h] = m[h] == -INFINITY ? 0.f : expf(m[h] - new_m);  // o is rescaled in the P.V step
       m[h] = new_m;
-      d[h] *= f;
-#pragma unroll
-      for (int i = 0; i < kNT; ++i) {
-        o[i][2 * h] *= f;
-        o[i][2 * h + 1] *= f;
-      }
+      d[h] *= f[h];
     }
     uint32_t a_hi[4], a_lo[4];  // P as the A operand (16 rows x 16 keys), hi + lo
     {
@@ -176,17 +176,24 @@ __global__ void __launch_bounds__(256) prefix_kernel_tc(Params p) {
           a_lo[2 * nt + h] = pack_bf16(x - xh, y - yh);
         }
     }
-    // ---- O[:, half] += P V: V^T fragments by ldmatrix.trans, two n8 tiles per load
-    const int mi = lane >> 3, mr = lane & 7;
-    const uint16_t* vrow = kv_s + ((mi & 1) * 8 + mr) * kLd + half * kHalf + (mi >> 1) * 8;
+    // ---- O[:, half] = f O + P V: V^T fragments by ldmatrix.trans, two n8 tiles per load.
+    // Each tile's P V starts from a zero accumulator and is added with an IEEE fma: the MMA's
+    // own fp32 accumulation truncates, and chaining it over a whole chunk (hundreds of tiles)
+    // biased the output by ~3e-5 relative at P = 32k on the H200 (measured; 2 MMAs per chain
+    // now, so the bias stays at the one-tile level and the tile sums add with rounding).
+    // ldmatrix.x2.trans: lanes 0-7 address keys 0-7, lanes 8-15 keys 8-15 (lanes 16-31 are
+    // ignored) of the 8 columns of one n8 tile: b0 and b1 of that tile. One n8 tile at a time
+    // keeps the temporaries small enough for 128 accumulator registers without spilling.
+    const uint16_t* vrow = kv_s + (lane & 15) * kLd + half * kHalf;
 #pragma unroll
-    for (int np = 0; np < kNT / 2; ++np) {
-      uint32_t bv[4];
-      ldmatrix_x4_trans(bv, vrow + np * 16);
-      mma_bf16(o[2 * np], a_hi, bv[0], bv[1]);
-      mma_bf16(o[2 * np], a_lo, bv[0], bv[1]);
-      mma_bf16(o[2 * np + 1], a_hi, bv[2], bv[3]);
-      mma_bf16(o[2 * np + 1], a_lo, bv[2], bv[3]);
+    for (int nt = 0; nt < kNT; ++nt) {
+      uint32_t bv[2];
+      ldmatrix_x2_trans(bv, vrow + nt * 8);
+      float t[4] = {0.f, 0.f, 0.f, 0.f};
+      mma_bf16(t, a_hi, bv[0], bv[1]);
+      mma_bf16(t, a_lo, bv[0], bv[1]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) o[nt][i] = fmaf(o[nt][i], f[i >> 1], t[i]);
     }
   }
 
@@ -198,7 +205,7 @@ __global__ void __launch_bounds__(256) prefix_kernel_tc(Params p) {
     d[h] += __shfl_xor_sync(0xffffffffu, d[h], 2);
     const int64_t r = row_base + group * 16 + gq + 8 * h;
     if (r >= rows) continue;
-    const int64_t slot = int64_t(blockIdx.y) * all_rows + q0 * H + r;
+    const int64_t slot = int64_t(blockIdx.y) * all_rows + int64_t(q0) * H + r;
     const float inv = 1.f / d[h];
     float* dst = p.ws_o + slot * kDL + half * kHalf + 2 * tq;
 #pragma unroll
