@@ -128,9 +128,15 @@ KDT_API kdt_status kdt_tree_accept(kdt_backend backend, void* stream, int32_t bs
  *   visibility [total_q, vis_words] uint32, vis_words >= ceil(max_tree / 32)
  *   out [total_q, H, d_latent] float32 (softmax-weighted sum of c_kv), lse [total_q, H] float32
  *   (natural log of the sum of exp(score)); scores are (q_lat . c_kv + q_pe . k_pe) * scale.
- *   max_tree >= every n_b (sizes the grid without reading device memory).
+ *   max_tree >= every n_b (sizes the grid without reading device memory), max_kv >= every
+ *   kv_len_b. A query that sees no row at all (no prefix, no visibility bit) gets out = 0 and
+ *   lse = -inf. bfloat16 arrays are raw uint16 bits.
  * The workspace holds the split-prefix partial states (CUDA); query its size with
  * kdt_verify_attention_workspace_size (0 for the CPU backend; workspace may be NULL then).
+ * CPU backend: the index pointers are checked on the host (errors name the request).
+ * CUDA backend: d_latent <= 512 and d_latent + d_rope <= 576; two kernels on `stream`, no host
+ * sync, graph-capturable; index pointers that break the contract cannot be reported without a
+ * sync, so that request's rows are written as NaN (where addressable) instead.
  */
 KDT_API size_t kdt_verify_attention_workspace_size(kdt_backend backend, int32_t bs,
                                                    int32_t num_heads, int32_t d_latent,
