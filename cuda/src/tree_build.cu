@@ -13,7 +13,8 @@
 // cross-checks; both are validated by the native tests.
 //
 // Shared memory per block, n = budget + 1 (<= 1025): 2 x n doubles (frontier and node scores),
-// 2 x n uint32 (packed candidates), 2 x n int16 (child lists) = 28 n bytes <= 28.7 KB.
+// n uint64 (rank-path keys), 2 x n uint32 (packed candidates), 2 x n int16 (child lists)
+// = 36 n bytes <= 36.9 KB (under the 48 KB that needs no opt-in, on sm_90 and sm_120).
 #include <cuda_runtime.h>
 
 #include <cstdlib>
@@ -31,14 +32,15 @@ constexpr uint32_t kNone = 0xFFFFFFFFu;  // "no candidate" in the warp argmax
 constexpr unsigned kFull = 0xFFFFFFFFu;
 
 size_t smem_bytes(int n) {
-  return (size_t)n * (2 * sizeof(double) + 2 * sizeof(uint32_t) + 2 * sizeof(int16_t));
+  return (size_t)n * (2 * sizeof(double) + sizeof(uint64_t) + 2 * sizeof(uint32_t) +
+                     2 * sizeof(int16_t));
 }
 
-__device__ bool better(double sa, uint32_t ca, double sb, uint32_t cb, const uint32_t* node_cand) {
+__device__ bool better(double sa, uint32_t ca, double sb, uint32_t cb, const tree::Scratch& s) {
   if (cb == kNone) return ca != kNone;
   if (ca == kNone) return false;
   if (sa != sb) return sa > sb;
-  return tree::compare_paths(ca, cb, node_cand) < 0;
+  return tree::compare_cands(ca, cb, s) < 0;
 }
 
 // Warp-cooperative best-first selection for one request (called by all 32 lanes of a warp);
@@ -47,6 +49,7 @@ __device__ int warp_build_one(const float* lp, int L, int K, int budget, const t
   const int lane = threadIdx.x & 31;
   if (lane == 0) {
     s.node_cand[0] = 0;
+    s.node_key[0] = 0;
     s.node_score[0] = 0.0;
     s.first_child[0] = -1;
     s.next_sibling[0] = -1;
@@ -62,7 +65,7 @@ __device__ int warp_build_one(const float* lp, int L, int K, int budget, const t
     for (int i = lane; i < F; i += 32) {
       const double sc = s.heap_score[i];
       const uint32_t c = s.heap_cand[i];
-      if (better(sc, c, best_s, best_c, s.node_cand)) { best_s = sc; best_c = c; best_i = i; }
+      if (better(sc, c, best_s, best_c, s)) { best_s = sc; best_c = c; best_i = i; }
     }
     // Butterfly: both partners keep the better of the two, so every lane ends with the argmax
     // (the order is strict: distinct candidates have distinct rank paths).
@@ -70,7 +73,7 @@ __device__ int warp_build_one(const float* lp, int L, int K, int budget, const t
       const double os = __shfl_xor_sync(kFull, best_s, off);
       const uint32_t oc = __shfl_xor_sync(kFull, best_c, off);
       const int oi = __shfl_xor_sync(kFull, best_i, off);
-      if (better(os, oc, best_s, best_c, s.node_cand)) { best_s = os; best_c = oc; best_i = oi; }
+      if (better(os, oc, best_s, best_c, s)) { best_s = os; best_c = oc; best_i = oi; }
     }
     const int parent = tree::cand_parent(best_c), rank = tree::cand_rank(best_c);
     const int depth = tree::cand_depth(best_c);
@@ -79,6 +82,7 @@ __device__ int warp_build_one(const float* lp, int L, int K, int budget, const t
     __syncwarp();  // every lane is done reading the frontier before lane 0 rewrites it
     if (lane == 0) {
       s.node_cand[i] = best_c;
+      s.node_key[i] = tree::cand_key(best_c, s);
       s.node_score[i] = best_s;
       s.first_child[i] = -1;
       s.next_sibling[i] = s.first_child[parent];  // prepend: lists run in descending index
@@ -111,10 +115,12 @@ __global__ void __launch_bounds__(kThreads) tree_build_kernel(TreeBuildArgs a) {
   tree::Scratch s;
   s.heap_score = smem;
   s.node_score = smem + n;
-  s.heap_cand = reinterpret_cast<uint32_t*>(smem + 2 * n);
+  s.node_key = reinterpret_cast<uint64_t*>(smem + 2 * n);
+  s.heap_cand = reinterpret_cast<uint32_t*>(smem + 3 * n);
   s.node_cand = s.heap_cand + n;
   s.first_child = reinterpret_cast<int16_t*>(s.node_cand + n);
   s.next_sibling = s.first_child + n;
+  tree::set_key_layout(s, a.L, a.K);
   __shared__ int used;
 
   const size_t lk = (size_t)a.L * a.K;

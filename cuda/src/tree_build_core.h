@@ -6,6 +6,7 @@
 //   heap_score [n] double, heap_cand [n] uint32   the frontier (a binary heap, best on top)
 //   node_score [n] double, node_cand [n] uint32   emitted nodes in pop order (slot 0 = root)
 //   first_child [n] int16, next_sibling [n] int16 SGLang-style child lists (prepend rule)
+//   node_key [n] uint64                           each node's rank-path prefix key (below)
 // The frontier never holds more than budget + 1 entries: pop k (1-based) leaves at most k
 // entries before its (at most two) pushes, and the loop stops after `budget` pops.
 //
@@ -34,6 +35,13 @@ KDT_HD int cand_parent(uint32_t c) { return (int)(c >> 16); }
 KDT_HD int cand_rank(uint32_t c) { return (int)((c >> 6) & 0x3FFu); }
 KDT_HD int cand_depth(uint32_t c) { return (int)(c & 0x3Fu); }
 
+// Rank-path prefix keys make most tie-breaks O(1): the ranks at depths 1..key_depth are packed
+// from the top bit down, key_bits each (key_bits = ceil(log2 K), so every rank fits), and
+// missing depths read as 0. For two distinct paths whose keys differ, the key order IS the
+// lexicographic order: at the first differing depth either both ranks exist (the smaller wins)
+// or the shorter path has ended there (a padded 0 against a rank > 0: the prefix wins, as it
+// must). Equal keys with both depths <= key_depth mean one path is a prefix of the other: the
+// shallower wins. Only deeper equal-key pairs walk the parents (compare_paths).
 struct Scratch {
   double* heap_score;
   uint32_t* heap_cand;
@@ -41,7 +49,24 @@ struct Scratch {
   uint32_t* node_cand;
   int16_t* first_child;
   int16_t* next_sibling;
+  uint64_t* node_key;
+  int key_bits, key_depth;
 };
+
+// Sets the key layout for a [L, K] request (see Scratch).
+KDT_HD void set_key_layout(Scratch& s, int L, int K) {
+  int bits = 1;
+  while ((1 << bits) < K) ++bits;
+  s.key_bits = bits;
+  s.key_depth = 64 / bits < L ? 64 / bits : L;
+}
+
+KDT_HD uint64_t cand_key(uint32_t c, const Scratch& s) {
+  const int d = cand_depth(c);
+  uint64_t k = s.node_key[cand_parent(c)];
+  if (d <= s.key_depth) k |= (uint64_t)cand_rank(c) << (64 - s.key_bits * d);
+  return k;
+}
 
 // Lexicographic comparison of two distinct candidates' rank paths: < 0 when a sorts first
 // (a proper prefix sorts first). Walks emitted nodes' parents: O(L) per call; it only runs
@@ -64,11 +89,21 @@ KDT_HD int compare_paths(uint32_t a, uint32_t b, const uint32_t* node_cand) {
   return ra < rb ? -1 : 1;
 }
 
+// The rank-path order of two distinct candidates (< 0: a first), O(1) unless their keys agree
+// below key_depth.
+KDT_HD int compare_cands(uint32_t a, uint32_t b, const Scratch& s) {
+  const uint64_t ka = cand_key(a, s), kb = cand_key(b, s);
+  if (ka != kb) return ka < kb ? -1 : 1;
+  const int da = cand_depth(a), db = cand_depth(b);
+  if (da <= s.key_depth && db <= s.key_depth) return da < db ? -1 : (da > db ? 1 : 0);
+  return compare_paths(a, b, s.node_cand);
+}
+
 // True when heap entry i is popped before entry j: score descending, then rank path ascending.
 KDT_HD bool heap_before(const Scratch& s, int i, int j) {
   const double si = s.heap_score[i], sj = s.heap_score[j];
   if (si != sj) return si > sj;
-  return compare_paths(s.heap_cand[i], s.heap_cand[j], s.node_cand) < 0;
+  return compare_cands(s.heap_cand[i], s.heap_cand[j], s) < 0;
 }
 
 KDT_HD void heap_swap(const Scratch& s, int i, int j) {
@@ -107,8 +142,10 @@ KDT_HD void heap_pop(const Scratch& s, int& size) {
 // Runs the best-first build for one request. lp is [L, K] float32 (rows sorted descending).
 // Fills node_cand / node_score for slots 0..count and the child lists; returns count + 1 (the
 // number of slots used, root included). Slot 0: node_cand = 0, node_score = 0.0.
+// The caller sets the key layout first (set_key_layout).
 KDT_HD int build_one(const float* lp, int L, int K, int budget, const Scratch& s) {
   s.node_cand[0] = 0;
+  s.node_key[0] = 0;
   s.node_score[0] = 0.0;
   s.first_child[0] = -1;
   s.next_sibling[0] = -1;
@@ -122,6 +159,7 @@ KDT_HD int build_one(const float* lp, int L, int K, int budget, const Scratch& s
     const int parent = cand_parent(cand), rank = cand_rank(cand), depth = cand_depth(cand);
     const int i = ++count;
     s.node_cand[i] = cand;
+    s.node_key[i] = cand_key(cand, s);
     s.node_score[i] = score;
     s.first_child[i] = -1;
     s.next_sibling[i] = s.first_child[parent];  // prepend: lists run in descending index

@@ -14,8 +14,10 @@ kdt_status tree_build_cpu(const TreeBuildArgs& a) {
   std::vector<double> heap_score(n), node_score(n);
   std::vector<uint32_t> heap_cand(n), node_cand(n);
   std::vector<int16_t> first_child(n), next_sibling(n);
-  const tree::Scratch s{heap_score.data(), heap_cand.data(), node_score.data(),
-                        node_cand.data(), first_child.data(), next_sibling.data()};
+  std::vector<uint64_t> node_key(n);
+  tree::Scratch s{heap_score.data(), heap_cand.data(),    node_score.data(), node_cand.data(),
+                  first_child.data(), next_sibling.data(), node_key.data(),   0, 0};
+  tree::set_key_layout(s, a.L, a.K);
   for (int b = 0; b < a.bs; ++b) {
     const size_t lk = (size_t)a.L * a.K;
     const float* lp = a.top_logp + b * lk;
