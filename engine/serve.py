@@ -139,8 +139,12 @@ def parse_completion(body, vocab_size: int, tokenizer, model_name: str) -> dict:
 class Server:
     """The aiohttp application around one Batcher."""
 
-    def __init__(self, batcher: Batcher, model_name: str, vocab_size: int):
+    def __init__(self, batcher: Batcher, model_name: str, vocab_size: int,
+                 instance_id: str | None = None):
         self.batcher, self.model_name, self.vocab_size = batcher, model_name, vocab_size
+        # Names this process in /health, so a starter that finds another server on the port it
+        # asked for can tell (engine/remote/serve.py).
+        self.instance_id = instance_id or uuid.uuid4().hex
         self.tokenizer = ByteTokenizer(vocab_size) if vocab_size >= 256 else None
         self.created = int(time.time())
 
@@ -168,6 +172,7 @@ class Server:
     async def health(self, _request) -> web.Response:
         stats = self.batcher.stats()
         body = {"status": "ok" if self.batcher.alive() else "unavailable", "model": self.model_name,
+                "instance_id": self.instance_id,
                 "mode": self.batcher.mode, "budget": self.batcher.budget,
                 "max_batch": self.batcher.max_batch, "max_queue": self.batcher.max_queue,
                 "device": self.batcher.engine.device, "stats": stats}
@@ -259,7 +264,8 @@ class Server:
 
 
 def build(weights, mode: str = "ar", budget: int = 63, device: str = "cpu", max_batch: int = 32,
-          max_queue: int = 64, max_seq: int = 1024, model_name: str | None = None) -> Server:
+          max_queue: int = 64, max_seq: int = 1024, model_name: str | None = None,
+          instance_id: str | None = None) -> Server:
     """Engine + Batcher (started) + Server for the weights folder."""
     from engine.native.engine import Engine
 
@@ -268,7 +274,8 @@ def build(weights, mode: str = "ar", budget: int = 63, device: str = "cpu", max_
         engine.block_drafter()  # load it now, not inside the first request
     batcher = Batcher(engine, mode, budget, max_batch, max_queue)
     batcher.start()
-    return Server(batcher, model_name or Path(weights).resolve().name, engine.vocab_size)
+    return Server(batcher, model_name or Path(weights).resolve().name, engine.vocab_size,
+                  instance_id)
 
 
 async def serve(server: Server, bind: str, port: int, log=sys.stdout) -> None:
@@ -316,6 +323,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seq", type=int, default=1024, help="cache rows per slot")
     ap.add_argument("--served-model-name", default=None, help="default: the weights folder name")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads for BLAS / torch")
+    ap.add_argument("--instance-id", default=None, help="reported by /health (default: random)")
     args = ap.parse_args(argv)
     if args.budget < 1:
         print(f"error: serve: --budget {args.budget}: need >= 1", file=sys.stderr)
@@ -327,7 +335,7 @@ def main(argv=None) -> int:
     limit_cpu_threads(args.threads)
     try:
         server = build(args.weights, args.mode, args.budget, args.device, args.max_batch,
-                       args.max_queue, args.max_seq, args.served_model_name)
+                       args.max_queue, args.max_seq, args.served_model_name, args.instance_id)
     except (OSError, ValueError, RuntimeError) as e:
         print(f"error: serve: {type(e).__name__}: {e}", file=sys.stderr)
         return 5

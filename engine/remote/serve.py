@@ -8,7 +8,7 @@ Runs against what `invoke deploy` put on the host: <remote_dir>/src (the package
 <remote_dir>/build/<arch>/libkdtree.so. Weights: `weights` (a host path), else the tiny model
 in <remote_dir>/weights/tiny, created there once by `python -m engine.model init`. The server
 starts detached (transport.spawn_detached: setsid + nohup; it outlives the connection), binds
-127.0.0.1 on the host, and logs to <remote_dir>/serve/serve-<port>.log; start_server returns once
+127.0.0.1 on the host, and logs to <remote_dir>/serve/serve-<port>-<id>.log; start_server returns once
 GET /health answers 200 on the host, or raises with the log's tail if the server exits first.
 Stop it with `kill <pid>` on the host (SIGTERM: the server finishes its cleanup and exits).
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import uuid
 from dataclasses import dataclass
 
 from .errors import ConfigError, KdtError, TransferError, UsageError
@@ -26,15 +27,18 @@ from .transport import Transport, open_transport
 
 HEALTH_WAIT_S = 300.0  # engine creation, drafter load and a CUDA context on a busy host
 
-# Runs on the host: polls /health until 200 (prints the body) or the server's pid is gone.
+# Runs on the host: polls /health until it answers 200 with our instance id (prints the body),
+# or the server's pid is gone. Another server already on the port answers with another id.
 _WAIT_HEALTH = """
-import os, sys, time, urllib.request
-pid, url, limit = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+import json, os, sys, time, urllib.request
+pid, url, limit, iid = int(sys.argv[1]), sys.argv[2], float(sys.argv[3]), sys.argv[4]
 end = time.monotonic() + limit
 while time.monotonic() < end:
     try:
         with urllib.request.urlopen(url + "/health", timeout=2) as r:
-            print(r.read().decode()); sys.exit(0)
+            body = r.read().decode()
+        if json.loads(body).get("instance_id") == iid:
+            print(body); sys.exit(0)
     except Exception:
         pass
     try:
@@ -108,14 +112,15 @@ def start_server(host: Host, *, mode: str = "ddtree", budget: int = 63, port: in
         lay = Layout(t.remote_dir, host.cuda_arch)
         _check(t, host, lay)
         w = _weights(t, host, lay, weights)
-        log = f"{lay.remote_dir}/serve/serve-{port}.log"
+        iid = uuid.uuid4().hex
+        log = f"{lay.remote_dir}/serve/serve-{port}-{iid[:8]}.log"
         argv = [host.python, "-m", "engine.serve", "--weights", w, "--mode", mode, "--budget",
                 str(budget), "--port", str(port), "--bind", "127.0.0.1", "--device", device,
-                "--max-batch", str(max_batch)]
+                "--max-batch", str(max_batch), "--instance-id", iid]
         pid = t.spawn_detached(argv, cwd=lay.src, env={**_py_env(lay), "KDTREE_LIB": lay.lib},
                                log_path=log)
         url = f"http://127.0.0.1:{port}"
-        r = t.run([host.python, "-c", _WAIT_HEALTH, str(pid), url, str(HEALTH_WAIT_S)],
+        r = t.run([host.python, "-c", _WAIT_HEALTH, str(pid), url, str(HEALTH_WAIT_S), iid],
                   timeout=HEALTH_WAIT_S + host.timeouts.connect)
         if not r.ok:
             tail = t.run(["tail", "-n", "15", log], timeout=host.timeouts.connect).stdout
