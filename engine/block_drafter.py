@@ -133,12 +133,23 @@ def load(weights_dir) -> tuple[DrafterConfig, dict[str, np.ndarray]]:
 
 
 def init_block_drafter(weights_dir, seed: int = 1) -> tuple[Path, Path]:
-    """Seeded random drafter sized for the target whose config.json is in weights_dir."""
-    from engine.model import load_config
+    """Seeded drafter sized for the target in weights_dir (width = the target's hidden size).
 
-    tcfg = load_config(Path(weights_dir) / "config.json")
-    cfg = DrafterConfig(vocab_size=tcfg.vocab_size, target_hidden_size=tcfg.hidden_size)
-    return save(weights_dir, cfg, init_weights(cfg, seed))
+    As DFlash shares the target's embedding and LM head, the drafter starts from copies of the
+    target's `model.embed_tokens`, `lm_head` and `model.norm` weights (stored in its own file, so
+    training may move them); everything else is seeded random."""
+    from engine.model import load_weights
+
+    tcfg, tw = load_weights(weights_dir)
+    D = tcfg.hidden_size
+    cfg = DrafterConfig(vocab_size=tcfg.vocab_size, target_hidden_size=D, hidden_size=D,
+                        intermediate_size=2 * D)
+    w = init_weights(cfg, seed)
+    w["embed.weight"] = tw["model.embed_tokens.weight"].astype(np.float32)
+    w["lm_head.weight"] = tw["model.embed_tokens.weight" if tcfg.tie_word_embeddings
+                             else "lm_head.weight"].astype(np.float32)
+    w["norm.weight"] = tw["model.norm.weight"].astype(np.float32)
+    return save(weights_dir, cfg, w)
 
 
 # ---------------------------------------------------------------- numpy forward (one request)

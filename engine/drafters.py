@@ -101,3 +101,42 @@ def load_block_drafter(weights_dir, backend: str = "torch", device: str = "cpu")
 def init_block_drafter(weights_dir, seed: int = 1):
     """Writes seeded random block-drafter weights beside the target's; returns the two paths."""
     return block_drafter.init_block_drafter(weights_dir, seed=seed)
+
+
+def main(argv=None) -> int:
+    import argparse
+    import json
+    import sys
+
+    from engine.model import limit_blas_threads
+
+    ap = argparse.ArgumentParser(prog="python -m engine.drafters",
+                                 description="Drafters; `train` trains the block drafter briefly.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train", help="train DIR's block drafter on the target's greedy outputs")
+    t.add_argument("--weights", required=True, help="folder with the target and drafter weights")
+    t.add_argument("--steps", type=int, default=1500)
+    t.add_argument("--sequences", type=int, default=96, help="greedy training sequences")
+    t.add_argument("--new-tokens", type=int, default=96, help="greedy tokens per sequence")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--device", default="cpu", help="torch device: cpu or cuda[:i]")
+    args = ap.parse_args(argv)
+    limit_blas_threads(1)
+    if args.device == "cpu":
+        import torch
+
+        torch.set_num_threads(1)  # small matrices: extra threads only spin on a shared machine
+    from engine.drafter_train import train
+
+    try:
+        result = train(args.weights, steps=args.steps, sequences=args.sequences,
+                       new_tokens=args.new_tokens, seed=args.seed, device=args.device)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 5
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
