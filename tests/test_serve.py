@@ -20,6 +20,8 @@ from native_helpers import native
 pytestmark = pytest.mark.native
 
 MAX_BATCH, MAX_QUEUE, BUDGET = 4, 2, 7
+MAX_SEQ = 4096  # long requests (LONG tokens) outlast any client-side wait on any CPU
+LONG = 4000
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +42,7 @@ def _server(weights, mode, tmp_path_factory):
 
     log = tmp_path_factory.mktemp(f"serve_{mode}") / "server.log"
     return ServerProcess(weights[0], mode, BUDGET, "cpu", MAX_BATCH, MAX_QUEUE, log,
-                         extra=("--served-model-name", "tiny"))
+                         extra=("--served-model-name", "tiny", "--max-seq", str(MAX_SEQ)))
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +169,7 @@ def test_load_generator_counts_wrong_token_counts():
     ({"prompt": "x", "n": 3}, 400, "n"),
     ({"prompt": [1, 10**6]}, 400, "prompt"),
     ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
-    ({"prompt": [1] * 1000, "max_tokens": 100}, 400, "max_tokens"),  # beyond the context
+    ({"prompt": [1] * 100, "max_tokens": MAX_SEQ - 100}, 400, "max_tokens"),  # beyond the context
     ({"prompt": "x", "model": "gpt-17"}, 404, "model"),
 ])
 def test_bad_requests_get_json_errors(ar_server, body, status, param):
@@ -204,13 +206,13 @@ def _open_stream(url, max_tokens):
 def test_disconnecting_clients_free_their_slots(ar_server):
     url = ar_server.url
     before = health(url)["stats"]
-    socks = [_open_stream(url, 900) for _ in range(2)]  # 900 tokens: minutes on a busy CPU
+    socks = [_open_stream(url, LONG) for _ in range(2)]
     assert health(url)["stats"]["active"] >= 2
     for s in socks:
         s.close()
     # A whole (non-streamed) request whose client gives up is freed too.
     with pytest.raises(OSError):  # socket.timeout / URLError: the client stops waiting
-        post(url, {"prompt": [4, 5], "max_tokens": 900}, timeout=1.0)
+        post(url, {"prompt": [4, 5], "max_tokens": LONG}, timeout=1.0)
     st = wait_for(lambda: (h := health(url)["stats"])["active"] == 0 and h,
                   "the server to release the disconnected clients' slots")
     assert st["cancelled"] - before["cancelled"] == 3, st
