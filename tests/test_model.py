@@ -1,4 +1,4 @@
-"""engine.model: rope / YaRN / router pieces against direct formulas, the absorbed forward against
+"""engine.model and engine.model_ops: rope / YaRN / router pieces against direct formulas, the absorbed forward against
 an independent non-absorbed one, cache consistency (prefill = AR = tree verify), compaction, and
 the weights format round trip.
 
@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from engine import model as M
+from engine import model_ops as O
 
 REL64 = 1e-10
 
@@ -56,17 +57,17 @@ def test_yarn_pieces_match_hand_derived_values_for_the_tiny_config():
     ramp = np.array([0, 1 / 3, 2 / 3, 1, 1, 1, 1, 1])
     extra = np.array([10000.0 ** (-2 * i / 16) for i in range(8)])
     expected = extra * (1 - ramp) + extra / 4.0 * ramp
-    assert rel_err(M.rope_inv_freq(cfg), expected) < 1e-14
+    assert rel_err(O.rope_inv_freq(cfg), expected) < 1e-14
     g = lambda m: 0.1 * m * math.log(4.0) + 1.0  # noqa: E731
-    assert abs(M.rope_mscale(cfg) - g(0.9) / g(1.0)) < 1e-15
-    assert abs(M.softmax_scale(cfg) - 48 ** -0.5 * g(1.0) ** 2) < 1e-15
+    assert abs(O.rope_mscale(cfg) - g(0.9) / g(1.0)) < 1e-15
+    assert abs(O.softmax_scale(cfg) - 48 ** -0.5 * g(1.0) ** 2) < 1e-15
 
 
 def test_no_rope_scaling_gives_plain_rope_and_plain_scale():
     d = dict(M.TINY_CONFIG, rope_scaling=None)
     cfg = M.ModelConfig.from_dict(d)
-    assert rel_err(M.rope_inv_freq(cfg), 10000.0 ** (-np.arange(0, 16, 2) / 16)) < 1e-15
-    assert M.rope_mscale(cfg) == 1.0 and M.softmax_scale(cfg) == 48 ** -0.5
+    assert rel_err(O.rope_inv_freq(cfg), 10000.0 ** (-np.arange(0, 16, 2) / 16)) < 1e-15
+    assert O.rope_mscale(cfg) == 1.0 and O.softmax_scale(cfg) == 48 ** -0.5
 
 
 def test_rope_is_complex_rotation_of_interleaved_pairs(rng):
@@ -74,10 +75,10 @@ def test_rope_is_complex_rotation_of_interleaved_pairs(rng):
     n, H, dr = 7, 3, cfg.qk_rope_head_dim
     x = rng.standard_normal((n, H, dr))
     pos = rng.integers(0, 1000, n)
-    cos, sin = M.rope_cos_sin(cfg, pos)
-    out = M.apply_rope(x, cos, sin)
-    z = (x[..., 0::2] + 1j * x[..., 1::2]) * np.exp(1j * pos[:, None, None] * M.rope_inv_freq(cfg)) \
-        * M.rope_mscale(cfg)
+    cos, sin = O.rope_cos_sin(cfg, pos)
+    out = O.apply_rope(x, cos, sin)
+    z = (x[..., 0::2] + 1j * x[..., 1::2]) * np.exp(1j * pos[:, None, None] * O.rope_inv_freq(cfg)) \
+        * O.rope_mscale(cfg)
     ref = np.empty_like(x)
     ref[..., 0::2], ref[..., 1::2] = z.real, z.imag
     assert rel_err(out, ref) < 1e-13
@@ -90,13 +91,13 @@ def test_rope_matches_hf_deinterleave_then_rotate_half_up_to_the_permutation(rng
     n, dr = 5, cfg.qk_rope_head_dim
     x = rng.standard_normal((n, dr))
     pos = rng.integers(0, 500, n)
-    f = pos[:, None] * M.rope_inv_freq(cfg)[None, :]
-    cos = np.concatenate([np.cos(f), np.cos(f)], 1) * M.rope_mscale(cfg)
-    sin = np.concatenate([np.sin(f), np.sin(f)], 1) * M.rope_mscale(cfg)
+    f = pos[:, None] * O.rope_inv_freq(cfg)[None, :]
+    cos = np.concatenate([np.cos(f), np.cos(f)], 1) * O.rope_mscale(cfg)
+    sin = np.concatenate([np.sin(f), np.sin(f)], 1) * O.rope_mscale(cfg)
     xp = np.concatenate([x[:, 0::2], x[:, 1::2]], 1)
     rot = np.concatenate([-xp[:, dr // 2:], xp[:, :dr // 2]], 1)
     hf = xp * cos + rot * sin
-    ours = M.apply_rope(x, *M.rope_cos_sin(cfg, pos))
+    ours = O.apply_rope(x, *O.rope_cos_sin(cfg, pos))
     assert rel_err(np.concatenate([ours[:, 0::2], ours[:, 1::2]], 1), hf) < 1e-13
 
 
@@ -106,8 +107,8 @@ def test_rope_scores_depend_only_on_the_position_difference(rng):
     a, b, shift = int(rng.integers(0, 300)), int(rng.integers(0, 300)), int(rng.integers(1, 200))
 
     def score(pq, pk):
-        return float(M.apply_rope(q, *M.rope_cos_sin(cfg, [pq]))[0]
-                     @ M.apply_rope(k, *M.rope_cos_sin(cfg, [pk]))[0])
+        return float(O.apply_rope(q, *O.rope_cos_sin(cfg, [pq]))[0]
+                     @ O.apply_rope(k, *O.rope_cos_sin(cfg, [pk]))[0])
     assert abs(score(a, b) - score(a + shift, b + shift)) < 1e-10 * max(1.0, abs(score(a, b)))
 
 
@@ -142,7 +143,7 @@ def test_router_matches_direct_formula(rng, over):
     x = rng.standard_normal((33, D))
     gate_w = rng.standard_normal((E, D)) / math.sqrt(D)
     bias = 0.3 * rng.standard_normal(E)
-    ids, w = M.route(cfg, x, gate_w, bias)
+    ids, w = O.route(cfg, x, gate_w, bias)
     ref_ids, ref_w = _route_direct(cfg, x, gate_w, bias)
     assert (ids == ref_ids).all()
     assert rel_err(w, ref_w) < 1e-14
@@ -152,7 +153,7 @@ def test_router_picks_by_biased_score_but_weights_by_unbiased_score():
     cfg = M.ModelConfig.from_dict(dict(M.TINY_CONFIG, n_group=1, topk_group=1))
     x = np.zeros((1, cfg.hidden_size))  # every sigmoid score is 0.5
     bias = np.array([0.0, 0.0, 0.0, 0.4, 0.0, 0.0, 0.2, 0.0])
-    ids, w = M.route(cfg, x, np.zeros((8, cfg.hidden_size)), bias)
+    ids, w = O.route(cfg, x, np.zeros((8, cfg.hidden_size)), bias)
     assert ids.tolist() == [[3, 6]]
     assert np.allclose(w, [[0.5 * cfg.routed_scaling_factor] * 2], rtol=1e-15)
 
@@ -161,7 +162,7 @@ def test_group_limit_excludes_experts_outside_the_kept_groups():
     # Expert 0 has the best single score but its group (0, 1) has the worst top-2 sum.
     cfg = M.tiny_config()  # 8 experts, 4 groups of 2, keep 2 groups, pick 2
     bias = np.array([0.9, -0.9, 0.5, 0.45, 0.3, 0.3, 0.0, 0.0])
-    ids, _ = M.route(cfg, np.zeros((1, cfg.hidden_size)), np.zeros((8, cfg.hidden_size)), bias)
+    ids, _ = O.route(cfg, np.zeros((1, cfg.hidden_size)), np.zeros((8, cfg.hidden_size)), bias)
     assert ids.tolist() == [[2, 3]]
 
 
@@ -174,9 +175,9 @@ def _forward_non_absorbed(model: M.Model, tokens: np.ndarray) -> np.ndarray:
     cfg, w = model.cfg, model.w
     n, H = len(tokens), cfg.num_attention_heads
     dn, dr, dv, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-    f = np.arange(n)[:, None] * M.rope_inv_freq(cfg)[None, :]
-    cos = np.concatenate([np.cos(f), np.cos(f)], 1) * M.rope_mscale(cfg)
-    sin = np.concatenate([np.sin(f), np.sin(f)], 1) * M.rope_mscale(cfg)
+    f = np.arange(n)[:, None] * O.rope_inv_freq(cfg)[None, :]
+    cos = np.concatenate([np.cos(f), np.cos(f)], 1) * O.rope_mscale(cfg)
+    sin = np.concatenate([np.sin(f), np.sin(f)], 1) * O.rope_mscale(cfg)
 
     def hf_rope(x):  # x [n, ..., dr]
         xp = np.concatenate([x[..., 0::2], x[..., 1::2]], -1)
@@ -199,7 +200,7 @@ def _forward_non_absorbed(model: M.Model, tokens: np.ndarray) -> np.ndarray:
         kvb = (ckv @ w[a + "kv_b_proj.weight"].T).reshape(n, H, dn + dv)
         k = np.concatenate([kvb[..., :dn], np.repeat(hf_rope(kv[:, None, r:]), H, 1)], -1)
         qf = np.concatenate([q[..., :dn], hf_rope(q[..., dn:])], -1)
-        s = np.einsum("ihd,jhd->hij", qf, k) * M.softmax_scale(cfg)
+        s = np.einsum("ihd,jhd->hij", qf, k) * O.softmax_scale(cfg)
         s = np.where(causal[None], s, -np.inf)
         pr = np.exp(s - s.max(-1, keepdims=True))
         pr /= pr.sum(-1, keepdims=True)
