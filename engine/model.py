@@ -3,10 +3,9 @@
 The math is written down in docs/MODEL.md; this module is its executable form. It holds the
 config (DeepSeek-V3 `config.json` keys), seeded random weights with the DeepSeek-V3 Hugging Face
 tensor names, the safetensors round trip, and `Model` (its pieces, rotary / YaRN / router, are
-in engine.model_ops): one
-forward over n new tokens against a latent KV cache under an arbitrary visibility mask among the
-new tokens. Prefill (causal), an AR step (n = 1) and a DDTree verify (ancestor-only) are all that
-one forward. Decoding loops live in `engine.model_decode`.
+in engine.model_ops): one forward over n new tokens against a latent KV cache under an arbitrary
+visibility mask among the new tokens. Prefill (causal), an AR step (n = 1) and a DDTree verify
+(ancestor-only) are all that one forward. Decoding loops live in `engine.model_decode`.
 
     python -m engine.model init [--config FILE] [--seed N] --out DIR
     python -m engine.model check --weights DIR      # logit spread and greedy diversity
