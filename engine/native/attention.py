@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 
-from ._lib import Call, DeviceBuffer, _is_torch, library
+from ._lib import Call, DeviceBuffer, _is_torch, _torch, library
 
 FN = "kdt_verify_attention"
 DTYPE_F32, DTYPE_BF16 = 0, 1  # kdt_dtype
@@ -54,8 +54,7 @@ def _lib():
 def _cache_dtype(name: str, x) -> int:
     """kdt_dtype of one of q_lat / q_pe / kv_cache."""
     if _is_torch(x):
-        import torch
-
+        torch = _torch()
         table = {torch.float32: DTYPE_F32, torch.bfloat16: DTYPE_BF16}
     else:
         table = {np.dtype(np.float32): DTYPE_F32, np.dtype(np.uint16): DTYPE_BF16}
@@ -69,7 +68,7 @@ def _as_bytes(x):
     """A bfloat16 tensor / uint16 array viewed as uint8 (the same memory, last dim doubled)."""
     if isinstance(x, np.ndarray):
         return x.view(np.uint8)
-    torch = __import__("torch")
+    torch = _torch()
     if x.numel() == 0:  # torch refuses to view empty tensors with odd strides (d_rope = 0)
         return torch.empty((*x.shape[:-1], 2 * x.shape[-1]), dtype=torch.uint8, device=x.device)
     return x.view(torch.uint8)
@@ -147,8 +146,7 @@ def verify_attention(q_lat, q_pe, kv_cache, q_indptr, kv_indptr, visibility, sof
     ws, p_ws = None, None
     if ws_bytes:
         if call.kind == "torch":
-            ws = __import__("torch").empty(ws_bytes, dtype=__import__("torch").uint8,
-                                           device=call.torch_device)
+            ws = _torch().empty(ws_bytes, dtype=_torch().uint8, device=call.torch_device)
             p_ws = ws.data_ptr()
         else:
             ws = DeviceBuffer(lib, ws_bytes)
