@@ -71,14 +71,17 @@ def _run_case(eng, batches, new_tokens, mode, budget, drafters, reps):
     last = {}
 
     def once():
-        toks, forwards, accept, seconds = [], 0, [], 0.0
+        toks, forwards, accept, draft_s, fwd_s = [], 0, [], 0.0, 0.0
         for i, b in enumerate(batches):
             r = eng.generate(b, new_tokens, mode=mode, budget=budget,
                              drafter=None if drafters is None else drafters[i])
             toks.extend(r.tokens)
             forwards += r.stats.target_forwards * len(b)
             accept.extend(a for req in r.stats.accept_lengths for a in req)
-        last.update(tokens=toks, forwards=forwards, accept=accept)
+            draft_s += r.stats.draft_seconds
+            fwd_s += r.stats.forward_seconds
+        last.update(tokens=toks, forwards=forwards, accept=accept, draft_seconds=draft_s,
+                    forward_seconds=fwd_s)
 
     samples = time_cpu(once, warmup=1, reps=reps)
     return samples, last
@@ -119,8 +122,10 @@ def run(ctx) -> dict:
             else:
                 ok = [t.tolist() for t in ar["tokens"]] == reference_tokens
             cases = [("ar", 0, "-", None)]
-            oracles = {q: [eng.oracle_drafters(b, new_tokens, q, seed=PROMPT_SEED) for b in batches]
-                       for q in g["qualities"]}  # built (their truth decoded) before timing
+            # Built (their truth decoded) before timing; prompt j's oracle has seed PROMPT_SEED + j
+            # whatever the batch size, so batch sizes compare like with like.
+            oracles = {q: [eng.oracle_drafters(b, new_tokens, q, seed=PROMPT_SEED + i * bs)
+                           for i, b in enumerate(batches)] for q in g["qualities"]}
             for budget in g["budgets"]:
                 for q in g["qualities"]:
                     cases.append(("ddtree", budget, f"oracle:{q}", oracles[q]))
@@ -160,6 +165,10 @@ def run(ctx) -> dict:
                         "speedup_vs_ar": ar_median / med,
                         "speedup_vs_ar_formula": "median(AR samples) / median(samples)",
                     },
+                    # Where the last sample's time went (engine stats): drafting + tree build,
+                    # and the target forwards; the rest is accept, compaction and bookkeeping.
+                    "breakdown_last_sample": {"draft_and_tree_s": out["draft_seconds"],
+                                              "target_forward_s": out["forward_seconds"]},
                     "validation": valid,
                 }
                 results.append(rec)

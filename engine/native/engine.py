@@ -91,11 +91,16 @@ class GenerateResult:
 @dataclasses.dataclass
 class _Slot:
     committed: list  # tokens in the cache (prompt + accepted)
-    hidden: np.ndarray  # [len(committed), D] final-norm hidden states (the drafters' input)
+    hidden_buf: np.ndarray  # [max_seq, D]; rows [0, len(committed)) are the final-norm hidden
+    #                         states of the committed tokens (the drafters' input)
     out: list  # generated tokens so far; out[-1] is the root (not yet in the cache)
     reported: int = 0  # how many of `out` step() has returned already
     accept_lengths: list = dataclasses.field(default_factory=list)
     tree_sizes: list = dataclasses.field(default_factory=list)
+
+    @property
+    def hidden(self) -> np.ndarray:
+        return self.hidden_buf[:len(self.committed)]
 
 
 @dataclasses.dataclass
@@ -275,7 +280,9 @@ class Engine:
         for s, p in zip(slots, prompts):
             n = len(p)
             self.commit(s, np.arange(n))
-            self._slots[s] = _Slot(committed=p.tolist(), hidden=hidden[start:start + n, 0],
+            buf = np.empty((self.max_seq, self.hidden_size), np.float32)
+            buf[:n] = hidden[start:start + n, 0]
+            self._slots[s] = _Slot(committed=p.tolist(), hidden_buf=buf,
                                    out=[int(np.argmax(logits[start + n - 1]))])
             start += n
         return slots
@@ -377,8 +384,9 @@ class Engine:
             length = int(acc.accept_len[b])
             path = acc.accept_index[b, :length].astype(np.int64)
             self.commit(s, path)
+            P = len(st.committed)
+            st.hidden_buf[P:P + length] = hidden[start + path, 0]
             st.committed.extend(int(t) for t in tree.tokens[b, path])
-            st.hidden = np.concatenate([st.hidden, hidden[start + path, 0]])
             st.out.extend(int(t) for t in tree.tokens[b, path[1:]])
             st.out.append(int(acc.bonus[b]))
             st.accept_lengths.append(length)
