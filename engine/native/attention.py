@@ -64,8 +64,11 @@ def _cache_dtype(name: str, x) -> int:
     return table[x.dtype]
 
 
-def _as_bytes(x):
+def _as_bytes(name: str, x):
     """A bfloat16 tensor / uint16 array viewed as uint8 (the same memory, last dim doubled)."""
+    contiguous = x.flags["C_CONTIGUOUS"] if isinstance(x, np.ndarray) else x.is_contiguous()
+    if not contiguous:
+        raise ValueError(f"{FN}: {name}: not C-contiguous (use np.ascontiguousarray or .contiguous())")
     if isinstance(x, np.ndarray):
         return x.view(np.uint8)
     torch = _torch()
@@ -131,10 +134,10 @@ def verify_attention(q_lat, q_pe, kv_cache, q_indptr, kv_indptr, visibility, sof
 
     b = 2 if dtype == DTYPE_BF16 else 1  # the bf16 views are uint8 with the last dim doubled
     el = np.uint8 if dtype == DTYPE_BF16 else np.float32
-    view = _as_bytes if dtype == DTYPE_BF16 else (lambda x: x)
-    p_q_lat = call.input("q_lat", view(q_lat), el, (total_q, H, d_latent * b))
-    p_q_pe = call.input("q_pe", view(q_pe), el, (total_q, H, d_rope * b))
-    p_kv = call.input("kv_cache", view(kv_cache), el, (total_kv, (d_latent + d_rope) * b))
+    view = _as_bytes if dtype == DTYPE_BF16 else (lambda name, x: x)
+    p_q_lat = call.input("q_lat", view("q_lat", q_lat), el, (total_q, H, d_latent * b))
+    p_q_pe = call.input("q_pe", view("q_pe", q_pe), el, (total_q, H, d_rope * b))
+    p_kv = call.input("kv_cache", view("kv_cache", kv_cache), el, (total_kv, (d_latent + d_rope) * b))
     p_qi = call.input("q_indptr", q_indptr, np.int32, (bs + 1,))
     p_ki = call.input("kv_indptr", kv_indptr, np.int32, (bs + 1,))
     p_vis = call.input("visibility", visibility, np.uint32, (total_q, W))
