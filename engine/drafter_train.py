@@ -115,7 +115,7 @@ def train(weights_dir, steps: int = 1500, sequences: int = 96, new_tokens: int =
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
         opt.step()
         sched.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if step % max(1, steps // 10) == 0 or step == steps - 1:
             log(f"step {step:5d}  loss {np.mean(losses[-50:]):.4f}")
     acc = depth_accuracy(net, held_out, cfg, np.random.default_rng(seed + 3), device=device)
