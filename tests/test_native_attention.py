@@ -17,14 +17,13 @@ TOL = 1e-5
 
 
 def _attention():
-    """engine.native.attention with its library loaded, or a skip naming what is missing."""
-    from engine.native import attention
-    from engine.native._lib import LibraryNotFound, library
+    """engine.native.attention with its library loaded: KDTREE_LIB, else build/cpu (re)built
+    when stale (tests/native_helpers.py)."""
+    from native_helpers import native
 
-    try:
-        library()
-    except LibraryNotFound as e:  # its message says how to build the library
-        pytest.skip(f"libkdtree.so is not available: {e}")
+    native()
+    from engine.native import attention
+
     return attention
 
 
