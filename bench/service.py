@@ -226,9 +226,13 @@ def _records(backend: str, url: str, model: str, levels, opts: dict, extra_case:
         ok = tc["n_mismatches"] == 0 and (check is None or check["ok"])
         out.append({
             "bench": NAME, "backend": backend,
+            # The case is the record's identity for `invoke compare`: our server's URL (a free
+            # port) stays out of it; a URL given with --url is part of what was measured.
             "case": {"concurrency": c, "requests": opts["requests"],
                      "max_tokens": opts["max_tokens"], "prompt_tokens": opts["prompt_tokens"],
-                     "model": model, "url": url, **extra_case},
+                     "model": model, **({"url": url} if backend == "url" else {}),
+                     **extra_case},
+            "server_url": url,
             "samples": samples, "summary": summarize(samples) if samples else None,
             **s, "server_stats": server_stats,
             "validation": {"ok": ok, "token_check": tc, "engine_check": check,

@@ -261,6 +261,7 @@ def test_service_suite_with_its_own_server_and_with_url(ar_server, tmp_path, mon
         assert [r["case"]["concurrency"] for r in doc["results"]] == [1, 2]
         for r in doc["results"]:
             assert r["backend"] == ("url" if url else "ar/cpu")
+            assert ("url" in r["case"]) == bool(url), "our server's free port must not key records"
             assert r["errors"] == 0 and r["tokens"] == 18 and len(r["requests"]) == 3
             assert r["validation"]["ok"] and r["validation"]["token_check"]["checked"] == 3
             if not url:
