@@ -15,7 +15,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from native_helpers import native
+from native_helpers import cuda_ready, native, skip_cuda_without_gpu  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.native
 
@@ -37,11 +37,11 @@ def weights(tmp_path_factory):
     return d, seed
 
 
-def _server(weights, mode, tmp_path_factory):
+def _server(weights, mode, tmp_path_factory, device="cpu"):
     from bench.service import ServerProcess
 
-    log = tmp_path_factory.mktemp(f"serve_{mode}") / "server.log"
-    return ServerProcess(weights[0], mode, BUDGET, "cpu", MAX_BATCH, MAX_QUEUE, log,
+    log = tmp_path_factory.mktemp(f"serve_{mode}_{device}") / "server.log"
+    return ServerProcess(weights[0], mode, BUDGET, device, MAX_BATCH, MAX_QUEUE, log,
                          extra=("--served-model-name", "tiny", "--max-seq", str(MAX_SEQ)))
 
 
@@ -132,6 +132,23 @@ def test_served_tokens_equal_engine_greedy(mode, weights, engine, request):
     status, body = post(srv.url, {"prompt": "héllo", "max_tokens": 5})
     ref = engine.generate(list("héllo".encode()), 5, mode="ar").tokens.tolist()
     assert status == 200 and json.loads(body)["choices"][0]["token_ids"] == ref
+
+
+@pytest.mark.cuda
+def test_cuda_server_equals_cuda_engine(weights, tmp_path_factory, cuda_ready):
+    """The same on the CUDA backend (DDTree server; the engine's AR decode on the GPU)."""
+    from engine.native.engine import Engine
+
+    seed = secrets.randbelow(2**31)
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, 512, size=int(rng.integers(1, 40))).tolist() for _ in range(6)]
+    with _server(weights, "ddtree", tmp_path_factory, device="cuda") as srv:
+        served = asyncio.run(_complete_all(srv.url, prompts, 12))
+    with Engine(weights[0], device="cuda") as eng:
+        direct = eng.generate(prompts, 12, mode="ar").tokens
+    for i, (s, d) in enumerate(zip(served, direct)):
+        assert s == d.tolist(), (f"weights seed {weights[1]}, prompt seed {seed}: prompt {i} "
+                                 f"served {s} != CUDA engine {d.tolist()}")
 
 
 def test_load_generator_against_server(ar_server):
