@@ -176,14 +176,15 @@ __global__ void __launch_bounds__(256) prefix_kernel_tc(Params p) {
           a_lo[2 * nt + h] = pack_bf16(x - xh, y - yh);
         }
     }
-    // ---- O[:, half] = f O + P V: V^T fragments by ldmatrix.trans, two n8 tiles per load.
+    // ---- O[:, half] = f O + P V: V^T fragments by ldmatrix.trans, one n8 tile per load.
     // Each tile's P V starts from a zero accumulator and is added with an IEEE fma: the MMA's
     // own fp32 accumulation truncates, and chaining it over a whole chunk (hundreds of tiles)
     // biased the output by ~3e-5 relative at P = 32k on the H200 (measured; 2 MMAs per chain
     // now, so the bias stays at the one-tile level and the tile sums add with rounding).
     // ldmatrix.x2.trans: lanes 0-7 address keys 0-7, lanes 8-15 keys 8-15 (lanes 16-31 are
     // ignored) of the 8 columns of one n8 tile: b0 and b1 of that tile. One n8 tile at a time
-    // keeps the temporaries small enough for 128 accumulator registers without spilling.
+    // keeps the temporaries small beside the 128 accumulator registers (sm_120: 170 registers,
+    // no spills; sm_90: 255 registers and ~350 B of L1-resident spills).
     const uint16_t* vrow = kv_s + (lane & 15) * kLd + half * kHalf;
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt) {
