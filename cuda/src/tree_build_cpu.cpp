@@ -41,10 +41,16 @@ kdt_status tree_build_cpu(const TreeBuildArgs& a) {
       a.next_sibling[o + i] = next_sibling[i];
       if (a.scores) a.scores[o + i] = node_score[i];
     }
+    // Row i = its parent's row plus bit i (parents come first): one row copy per node. The
+    // CUDA kernel computes the same words independently per thread (tree::visibility_word).
     uint32_t* vis = a.visibility + (size_t)b * n * W;
-    for (int i = 0; i < n; ++i)
-      for (int w = 0; w < W; ++w)
-        vis[(size_t)i * W + w] = i < used ? tree::visibility_word(i, w, node_cand.data()) : 0u;
+    std::memset(vis, 0, sizeof(uint32_t) * (size_t)n * W);
+    vis[0] = 1u;
+    for (int i = 1; i < used; ++i) {
+      const int p = tree::cand_parent(node_cand[i]);
+      std::memcpy(vis + (size_t)i * W, vis + (size_t)p * W, sizeof(uint32_t) * (size_t)(p / 32 + 1));
+      vis[(size_t)i * W + i / 32] |= 1u << (i % 32);
+    }
     a.num_nodes[b] = used;
   }
   return KDT_OK;
