@@ -257,15 +257,17 @@ def _run_dir(spec: str) -> Path:
     return hits[0]
 
 
-@task(auto_shortflags=False, help={"run_a": "baseline run (id or path)", "run_b": "candidate run (id or path)",
+@task(auto_shortflags=False, help={"run_a": "baseline run (id or path)", "run_b": "candidate run (id or path), compared against RUN_A",
                                    "against": "latest: compare run_a against the newest other run of its host",
                                    "threshold": "slowdown fraction that counts as a regression (0.05)"})
 @_guarded
 def compare(c, run_a, run_b=None, against=None, threshold=0.05):
-    """Compare two benchmark runs like with like; exit 2 on a regression beyond the threshold."""
+    """Compare runs like with like: `compare RUN_A --run-b RUN_B` or `compare RUN --against latest`;
+    exit 2 on a regression beyond the threshold."""
     from engine.remote.compare import compare_runs, latest_run
+    # Invoke positionals cannot be optional, so RUN_B is the flag --run-b.
     if against not in (None, "latest") or (run_b is None) == (against is None):
-        _fail("error: compare: give RUN_B, or --against latest", 5)
+        _fail("error: compare: give --run-b RUN_B or --against latest", 5)
     a = _run_dir(run_a)
     if against == "latest":
         base = latest_run(a.parent, exclude=a)

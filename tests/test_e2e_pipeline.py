@@ -92,6 +92,16 @@ def test_four_tasks_in_sequence_build_and_commit(loopback_sshd, clone, hosts_dir
     assert r.returncode == 0 and "0 fetched" in r.stdout, explain(r)
     assert git(clone, "rev-parse", "HEAD^").strip() == head_before
 
+    # the local helpers wired to the benchmarks area: report, compare
+    r = inv("report", "--host", "loop")
+    assert r.returncode == 0 and (clone / "docs/BENCHMARKS_loop.md").is_file(), explain(r)
+    r = inv("compare", bench_id, "--run-b", bench_id)  # a run against itself: identical samples
+    assert r.returncode == 0 and "no significant change" in r.stdout, explain(r)
+    r = inv("compare", bench_id, "--against", "latest")  # no other bench run of this host
+    assert r.returncode == 5 and f"no other run under" in r.stderr, explain(r)
+    r = inv("hosts")
+    assert r.returncode == 0 and {"ct200", "h200", "local"} <= {l.split()[0] for l in r.stdout.splitlines()}, explain(r)
+
 
 def test_two_hosts_in_parallel_one_failing(loopback_sshd, clone, hosts_dir, tmp_path):
     """--host a,b: lines prefixed per host, one summary line each, exit code the worst (1);
