@@ -313,3 +313,25 @@ def test_errors_name_the_problem(weights, tmp_path):
         eng.generate([1, 2, 3], 20, mode="ar")
     with pytest.raises(ValueError, match="oracle"):
         eng.generate([1, 2, 3], 4, mode="ddtree", budget=3, drafter="oracle:x")
+
+
+def test_cpu_thread_count_does_not_change_results(weights, monkeypatch):
+    """The CPU backend's thread pool splits work by output row / token only: logits are
+    bit-identical with 1 and 3 threads (KDT_ENGINE_THREADS, read when the engine is created)."""
+    seed = secrets.randbelow(2**31)
+    rng = np.random.default_rng(seed)
+    prompts = random_prompts(rng, 3, 512, 20, 60)
+    out = []
+    for threads in ("1", "3"):
+        monkeypatch.setenv("KDT_ENGINE_THREADS", threads)
+        eng = make_engine(weights, "cpu", max_slots=3, max_seq=128)
+        vis = [pack(np.tril(np.ones((len(p), len(p)), bool))) for p in prompts]
+        W = max(v.shape[1] for v in vis)
+        vis = [np.pad(v, ((0, 0), (0, W - v.shape[1]))) for v in vis]
+        logits, hidden = eng.forward([0, 1, 2], prompts, [np.arange(len(p)) for p in prompts], vis,
+                                     [0, eng.num_layers + 1])
+        out.append((logits, hidden))
+        eng.close()
+    for name, a, b in [("logits", out[0][0], out[1][0]), ("hidden", out[0][1], out[1][1])]:
+        diff = np.argwhere(a != b)
+        assert not len(diff), f"seed {seed}: {name} differ between 1 and 3 threads at {diff[0]}"

@@ -16,6 +16,7 @@
 #include <memory>
 #include <vector>
 
+#include "engine_pool.h"
 #include "model.h"
 
 namespace kdt {
@@ -48,6 +49,7 @@ struct Engine {
   int max_slots = 0, max_seq = 0;
   std::vector<int32_t> seq_len;             // [max_slots] committed rows per slot
   std::vector<std::vector<float>> kv;       // CPU: per layer [max_slots, max_seq, C + R]
+  std::unique_ptr<ThreadPool> pool;         // CPU: the parallel loops' threads
   CudaState* cuda = nullptr;
   ~Engine();
 };

@@ -61,6 +61,7 @@ kdt_status kdt_engine_create(kdt_backend backend, const char* weights_dir, int32
     if (backend == KDT_BACKEND_CPU) {
       const size_t per_layer = size_t(max_slots) * max_seq * e.model.cfg.kv_dim();
       e.kv.assign(e.model.cfg.layers, std::vector<float>(per_layer, 0.f));
+      e.pool.reset(new kdt::engine::ThreadPool(kdt::engine::ThreadPool::default_threads()));
     }
 #if defined(KDT_WITH_CUDA)
     if (backend == KDT_BACKEND_CUDA) {

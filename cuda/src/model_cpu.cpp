@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 
 #include "common.h"
@@ -31,11 +32,31 @@ inline float dot(const float* a, const float* b, int n) {
   return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail;
 }
 
-// y [T, out] = x [T, in] @ W^T, W [out, in] (torch Linear layout).
-void linear(const float* W, const float* x, float* y, int T, int in, int out) {
-  for (int o = 0; o < out; ++o) {
-    const float* w = W + size_t(o) * in;
-    for (int t = 0; t < T; ++t) y[size_t(t) * out + o] = dot(w, x + size_t(t) * in, in);
+// y [T, out] = x [T, in] @ W^T, W [out, in] (torch Linear layout). Output rows are split in
+// blocks over the pool's threads when the product is large enough to pay for it.
+void linear(ThreadPool* pool, const float* W, const float* x, float* y, int T, int in, int out) {
+  constexpr int kRows = 16;
+  auto rows = [&](int blk) {
+    const int o1 = std::min(out, (blk + 1) * kRows);
+    for (int o = blk * kRows; o < o1; ++o) {
+      const float* w = W + size_t(o) * in;
+      for (int t = 0; t < T; ++t) y[size_t(t) * out + o] = dot(w, x + size_t(t) * in, in);
+    }
+  };
+  const int blocks = (out + kRows - 1) / kRows;
+  if (pool && double(T) * out * in >= 65536.0) {
+    pool->run(blocks, rows);
+  } else {
+    for (int blk = 0; blk < blocks; ++blk) rows(blk);
+  }
+}
+
+// Runs fn(t) for t in [0, T): on the pool when there are several tokens.
+void per_token(ThreadPool* pool, int T, const std::function<void(int)>& fn) {
+  if (pool && T > 1) {
+    pool->run(T, fn);
+  } else {
+    for (int t = 0; t < T; ++t) fn(t);
   }
 }
 
@@ -134,8 +155,7 @@ kdt_status forward_cpu(Engine& e, const Batch& b) {
   std::vector<float> x(size_t(T) * D), h(size_t(T) * D), q(size_t(T) * H * QH),
       qa(size_t(T) * std::max(c.q_lora, 1)), kva(size_t(T) * KD), o(size_t(T) * H * Dv),
       y(size_t(T) * D);
-  std::vector<float> q_lat(C), q_pe(R), o_lat(C), scores(e.max_seq), prob(e.max_seq);
-  std::vector<const float*> keys(e.max_seq);
+  ThreadPool* pool = e.pool.get();
   std::vector<int> req_of(T);
   for (int r = 0; r < b.n_req; ++r)
     for (int t = b.q_indptr[r]; t < b.q_indptr[r + 1]; ++t) req_of[t] = r;
@@ -159,14 +179,14 @@ kdt_status forward_cpu(Engine& e, const Batch& b) {
 
     // Queries [T, H, N+R] and the joint latent projection [T, C+R].
     if (c.q_lora > 0) {
-      linear(w.q_a, h.data(), qa.data(), T, D, c.q_lora);
+      linear(pool, w.q_a, h.data(), qa.data(), T, D, c.q_lora);
       for (int t = 0; t < T; ++t)
         rmsnorm(&qa[size_t(t) * c.q_lora], w.q_a_norm, eps, c.q_lora, &qa[size_t(t) * c.q_lora]);
-      linear(w.q_b, qa.data(), q.data(), T, c.q_lora, H * QH);
+      linear(pool, w.q_b, qa.data(), q.data(), T, c.q_lora, H * QH);
     } else {
-      linear(w.q_proj, h.data(), q.data(), T, D, H * QH);
+      linear(pool, w.q_proj, h.data(), q.data(), T, D, H * QH);
     }
-    linear(w.kv_a, h.data(), kva.data(), T, D, KD);
+    linear(pool, w.kv_a, h.data(), kva.data(), T, D, KD);
 
     // Cache rows of this batch: c_kv = norm(latent), k_pe = rope(rope part), at P_b + node.
     for (int t = 0; t < T; ++t) {
@@ -176,8 +196,17 @@ kdt_status forward_cpu(Engine& e, const Batch& b) {
       rope(&kva[size_t(t) * KD + C], m, b.positions[t], row + C);
     }
 
-    // Absorbed attention per (token, head) over the latent cache.
-    for (int t = 0; t < T; ++t) {
+    // Absorbed attention per (token, head) over the latent cache (all cache rows of the batch
+    // are written above, before any token attends).
+    per_token(pool, T, [&](int t) {
+      thread_local std::vector<float> q_lat, q_pe, o_lat, scores, prob;
+      thread_local std::vector<const float*> keys;
+      q_lat.resize(C);
+      q_pe.resize(R);
+      o_lat.resize(C);
+      scores.resize(e.max_seq);
+      prob.resize(e.max_seq);
+      keys.resize(e.max_seq);
       const int r = req_of[t], node0 = b.q_indptr[r], n_b = b.q_indptr[r + 1] - node0;
       const float* base = cache + size_t(b.slots[r]) * e.max_seq * KD;
       const uint32_t* vis = b.visibility + size_t(t) * b.vis_words;
@@ -215,21 +244,27 @@ kdt_status forward_cpu(Engine& e, const Batch& b) {
         for (int v = 0; v < Dv; ++v)
           o[(size_t(t) * H + hd) * Dv + v] = dot(kvb + size_t(N + v) * C, o_lat.data(), C);
       }
-    }
-    linear(w.o_proj, o.data(), y.data(), T, H * Dv, D);
+    });
+    linear(pool, w.o_proj, o.data(), y.data(), T, H * Dv, D);
     for (size_t i = 0; i < x.size(); ++i) x[i] += y[i];
 
     // FFN: dense SwiGLU, or routed experts (top-k order) plus the shared experts.
     for (int t = 0; t < T; ++t) rmsnorm(&x[size_t(t) * D], w.post_norm, eps, D, &h[size_t(t) * D]);
     if (!w.moe) {
-      std::vector<float> act(c.inter);
-      for (int t = 0; t < T; ++t)
+      per_token(pool, T, [&](int t) {
+        thread_local std::vector<float> act;
+        act.resize(c.inter);
         swiglu(w.gate, w.up, w.down, &h[size_t(t) * D], D, c.inter, act.data(), &y[size_t(t) * D]);
+      });
     } else {
-      std::vector<float> logits(c.n_routed), act(std::max(c.moe_inter, m.shared_inter)), ye(D),
-          weight(c.top_k);
-      std::vector<int> idx(c.top_k);
-      for (int t = 0; t < T; ++t) {
+      per_token(pool, T, [&](int t) {
+        thread_local std::vector<float> logits, act, ye, weight;
+        thread_local std::vector<int> idx;
+        logits.resize(c.n_routed);
+        act.resize(std::max(c.moe_inter, m.shared_inter));
+        ye.resize(D);
+        weight.resize(c.top_k);
+        idx.resize(c.top_k);
         const float* ht = &h[size_t(t) * D];
         float* yt = &y[size_t(t) * D];
         for (int ex = 0; ex < c.n_routed; ++ex) logits[ex] = dot(w.router + size_t(ex) * D, ht, D);
@@ -244,7 +279,7 @@ kdt_status forward_cpu(Engine& e, const Batch& b) {
           swiglu(w.gate, w.up, w.down, ht, D, m.shared_inter, act.data(), ye.data());
           for (int d = 0; d < D; ++d) yt[d] += ye[d];
         }
-      }
+      });
     }
     for (size_t i = 0; i < x.size(); ++i) x[i] += y[i];
     capture(l + 1);
@@ -253,7 +288,7 @@ kdt_status forward_cpu(Engine& e, const Batch& b) {
   // Final norm (its output is capture index layers + 1: what the drafters read) and LM head.
   for (int t = 0; t < T; ++t) rmsnorm(&x[size_t(t) * D], m.final_norm, eps, D, &x[size_t(t) * D]);
   capture(c.layers + 1);
-  if (b.logits) linear(m.lm_head, x.data(), b.logits, T, D, c.vocab);
+  if (b.logits) linear(pool, m.lm_head, x.data(), b.logits, T, D, c.vocab);
   return KDT_OK;
 }
 
