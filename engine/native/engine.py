@@ -328,9 +328,9 @@ class Engine:
         return {s: drafter for s in slots}
 
     def block_drafter(self):
-        """The block drafter stored with the weights (loaded once): its numpy backend on the CPU
-        (the torch one costs ~0.5 s per draft on a small shared CPU, numpy ~1 ms), torch on the
-        GPU for the CUDA engine."""
+        """The block drafter stored with the weights (loaded once): its numpy backend for the CPU
+        engine (about 1 ms per draft here, against about 0.5 s for the torch backend on this
+        loaded 2-core machine), its torch backend on the GPU for the CUDA engine."""
         if self._block_drafter is None:
             from engine.block_drafter import BlockDrafter  # lazily: another area's module
 
