@@ -1,8 +1,8 @@
 """Helpers for the end-to-end tests (tests/test_e2e*.py): a throwaway clone and `invoke` runs.
 
-`make_clone(dst)` clones this repository's HEAD and lays over it the working tree's versions of
-the tracked files changed since, then commits them there, so the clone is clean and runs the
-code under test. `Invoke(clone)` runs `python3 -m invoke ...` in it as a subprocess, the way a
+`make_clone(dst)` clones this repository's HEAD and lays over it the working tree as
+`invoke deploy` would send it (tracked and untracked-not-ignored files; deletions applied), then
+commits that there, so the clone is clean and runs exactly the code under test. `Invoke(clone)` runs `python3 -m invoke ...` in it as a subprocess, the way a
 user does, and returns the CompletedProcess (stdout, stderr, returncode).
 """
 
@@ -30,7 +30,9 @@ def git(repo: Path, *args: str) -> str:
 def make_clone(dst: Path) -> Path:
     subprocess.run(["git", "clone", "--quiet", "--no-hardlinks", str(REPO), str(dst)], check=True)
     changed = [p for p in git(REPO, "diff", "--name-only", "HEAD").splitlines() if p]
-    for rel in changed:
+    untracked = [p for p in git(REPO, "ls-files", "--others", "--exclude-standard").splitlines()
+                 if p and not p.startswith("results/")]
+    for rel in changed + untracked:
         src = REPO / rel
         if src.is_file():
             (dst / rel).parent.mkdir(parents=True, exist_ok=True)

@@ -98,7 +98,9 @@ def test_four_tasks_in_sequence_build_and_commit(loopback_sshd, clone, hosts_dir
     r = inv("compare", bench_id, "--run-b", bench_id)  # a run against itself: identical samples
     assert r.returncode == 0 and "no significant change" in r.stdout, explain(r)
     r = inv("compare", bench_id, "--against", "latest")  # no other bench run of this host
-    assert r.returncode == 5 and f"no other run under" in r.stderr, explain(r)
+    assert r.returncode == 5 and "no other bench run under" in r.stderr, explain(r)
+    r = inv("compare", test_id, "--run-b", bench_id)  # a test run has no benchmark JSON: usage
+    assert r.returncode == 5 and "error: compare:" in r.stderr, explain(r)
     r = inv("hosts")
     assert r.returncode == 0 and {"ct200", "h200", "local"} <= {l.split()[0] for l in r.stdout.splitlines()}, explain(r)
 

@@ -159,3 +159,14 @@ def test_interrupted_fetch_is_finished_by_the_next(repo, host):
     assert out.error is None and out.run_ids == [rid] and out.details["commit"]
     assert f"results/box/{rid}/manifest.json" in git(repo, "show", "--name-only", "--format=", "HEAD").split()
     assert not (repo / "results/box/.incoming-x-999999999").exists()
+
+
+def test_latest_bench_run_ignores_test_runs(tmp_path):
+    for rid, kind in (("20260101T000001Z-a-bench", "bench"), ("20260101T000002Z-a-bench", "bench"),
+                      ("20260101T000003Z-a-test", "test")):
+        (tmp_path / rid).mkdir()
+        (tmp_path / rid / "manifest.json").write_text(json.dumps({"kind": kind}))
+    (tmp_path / "20260101T000009Z-a-bench").mkdir()  # no manifest: not a fetched run
+    assert results.latest_bench_run(tmp_path).name == "20260101T000002Z-a-bench"
+    assert results.latest_bench_run(tmp_path, tmp_path / "20260101T000002Z-a-bench").name == "20260101T000001Z-a-bench"
+    assert results.latest_bench_run(tmp_path / "none") is None
