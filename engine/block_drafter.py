@@ -1,12 +1,14 @@
 """The block drafter: L draft positions in one pass, from the target's hidden states (DFlash-like).
 
 Input per round: the target's last C hidden states (after its final norm) at the committed
-positions, and the root token b. The block is [b, MASK, ..., MASK] (block_size = L + 1 slots).
+positions, and the root token b. The block is [b, MASK, ..., MASK] (block_size = L + 1 slots);
+every slot also carries b's embedding, so that the mask slots need no attention step to learn
+the (frequent) mapping from the root to the next tokens.
 Each layer lets the block attend, without a causal mask, to the projected context and to
 itself; the L mask slots' outputs go through a norm and an LM head: logits [L, V].
 
     ctx  = rms(ctx_proj(hidden[-C:]) + ctx_pos[-c:], ctx_norm)          [c, d]
-    x    = [embed[b], mask_embed x L] + block_pos                        [L+1, d]
+    x    = [0, mask_embed x L] + embed[b] + block_pos                    [L+1, d]
     per layer: h = rms(x, attn_norm); k, v from [ctx; h]; q from h;
                x += o_proj(softmax(q k^T / sqrt(hd)) v);  x += swiglu(rms(x, mlp_norm))
     logits = rms(x[1:], norm) lm_head^T                                  [L, V]
@@ -168,8 +170,9 @@ def forward_numpy(cfg: DrafterConfig, w: dict, hidden: np.ndarray, root: int) ->
     hd = cfg.hidden_size // nh
     ctx = _rms_np(ctx_h @ w["ctx_proj.weight"].T + w["ctx_pos"][cfg.context_size - c:],
                   w["ctx_norm.weight"], eps)                                    # [c, d]
-    x = np.concatenate([w["embed.weight"][[root]],
-                        np.repeat(w["mask_embed"][None], cfg.depth, 0)]) + w["block_pos"]
+    x = np.concatenate([np.zeros((1, cfg.hidden_size), f32),
+                        np.repeat(w["mask_embed"][None], cfg.depth, 0)]) \
+        + w["embed.weight"][root] + w["block_pos"]                              # [S, d]
     S = cfg.block_size
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
@@ -220,8 +223,9 @@ def make_net(cfg: DrafterConfig, weights: dict, device="cpu"):
 
             ctx = rms(ctx_hidden @ w("ctx_proj.weight").T + w("ctx_pos")[cfg.context_size - C:],
                       w("ctx_norm.weight"))
-            x = torch.cat([w("embed.weight")[root][:, None],
-                           w("mask_embed").expand(B, cfg.depth, -1)], 1) + w("block_pos")
+            slots = torch.cat([torch.zeros_like(w("mask_embed"))[None],
+                               w("mask_embed").expand(cfg.depth, -1)], 0)      # [S, d]
+            x = slots[None] + w("embed.weight")[root][:, None] + w("block_pos")
             key_ok = torch.cat([ctx_valid, torch.ones(B, S, dtype=torch.bool,
                                                       device=ctx_valid.device)], 1)
             for i in range(cfg.num_layers):
