@@ -26,7 +26,7 @@ import time
 import uuid
 from typing import Callable
 
-from .errors import LockTimeout, TransferError
+from .errors import KdtError, LockTimeout, TransferError
 from .transport import Transport
 
 LOCK_NAME = ".lock"
@@ -137,8 +137,12 @@ class RemoteLock:
             return
         q = shlex.quote(self.path)
         tok = shlex.quote(f'"token": "{self.token}"')
-        self._run(f"grep -qF {tok} {q}/owner.json 2>/dev/null || exit 0\n"
-                  f"mv {q} {q}.released.$$ && rm -rf {q}.released.$$")
+        try:
+            self._run(f"grep -qF {tok} {q}/owner.json 2>/dev/null || exit 0\n"
+                      f"mv {q} {q}.released.$$ && rm -rf {q}.released.$$")
+        except KdtError as e:  # the link is gone: say so, never mask the error that got us here
+            self.log(f"could not release {self.path} ({e.what}); it expires, or its holder's "
+                     "absence is noticed, on the next attempt")
         self.held = False
 
     def __enter__(self) -> "RemoteLock":
