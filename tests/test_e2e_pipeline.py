@@ -289,3 +289,26 @@ def test_held_lock_makes_deploy_wait_then_fail_naming_the_holder(loopback_sshd, 
     r = inv("deploy", "--host", h, "--no-build", "--lock-wait", "2")
     assert r.returncode == 0 and "breaking the stale lock" in r.stderr, explain(r)
     assert (tmp_path / "remote-busy/src/tasks.py").is_file() and not lock.exists()
+
+
+def test_step_timeout_kills_the_remote_group_and_exits_3(loopback_sshd, clone, hosts_dir, tmp_path):
+    h = str(host_yaml(loopback_sshd, hosts_dir, tmp_path, "slow", env={"KDTREE_SELFTEST_SECONDS": "120"},
+                      timeouts={"connect": 10, "bench": 2}))
+    t0 = time.monotonic()
+    r = Invoke(clone)("bench", "--host", h, "--no-build", "--suite", "selftest", "--json")
+    assert r.returncode == 3, explain(r)
+    assert time.monotonic() - t0 < 90, "the 120 s sleep must have been killed"
+    (rid,) = run_ids(r)
+    run_dir = tmp_path / "remote-slow/runs" / rid
+    m = json.loads((run_dir / "manifest.json").read_text())
+    assert m["status"]["bench"]["status"] == "failed" and "timed out after 2" in m["status"]["bench"]["reason"]
+    assert "error: slow: bench:" in r.stderr and "timeouts.bench" in r.stderr, explain(r)
+    left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and str(run_dir).encode() in _cmdline(p)]
+    assert not left, f"processes of the timed-out step are still alive: {left}"
+
+
+def _cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes()
+    except OSError:
+        return b""

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import provenance
-from .errors import BuildFailed, ConfigError, KdtError, TestsFailed, TransferError
+from .errors import BuildFailed, ConfigError, KdtError, StepTimeout, TestsFailed, TransferError
 from .inventory import Host
 from .locks import RemoteLock
 from .plan import (Layout, Options, Plan, make_run_id, plan_deploy, plan_run, runner_request,
@@ -235,9 +235,12 @@ def _run(kind: str, host: Host, repo_root: Path, opts: Options, progress: Progre
     err = None
     if not manifest.get("ok"):
         failed = [n for n, s in manifest["status"].items() if s.get("status") == "failed"]
-        err = TestsFailed(f"{run_id}: {', '.join(failed)} failed: {manifest.get('summary')}",
-                          host=host.name, step=kind,
-                          hint=f"logs in {lay.run(run_id)}/logs; `invoke fetch-results --run {run_id}` brings them home")
+        timed_out = [n for n in failed if "timed out" in (manifest["status"][n].get("reason") or "")]
+        cls = StepTimeout if timed_out else TestsFailed  # a step past its timeout is exit 3, like any
+        err = cls(f"{run_id}: {', '.join(failed)} failed: {manifest.get('summary')}",
+                  host=host.name, step=kind,
+                  hint=(f"raise timeouts.{kind} in the host file; " if timed_out else "")
+                  + f"logs in {lay.run(run_id)}/logs; `invoke fetch-results --run {run_id}` brings them home")
     return Outcome(host.name, kind, summary, err, [run_id],
                    {"deploy": deployed, "status": manifest.get("status")})
 
