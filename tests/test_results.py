@@ -170,3 +170,11 @@ def test_latest_bench_run_ignores_test_runs(tmp_path):
     assert results.latest_bench_run(tmp_path).name == "20260101T000002Z-a-bench"
     assert results.latest_bench_run(tmp_path, tmp_path / "20260101T000002Z-a-bench").name == "20260101T000001Z-a-bench"
     assert results.latest_bench_run(tmp_path / "none") is None
+
+
+def test_fetch_dry_run_touches_nothing(repo, host):
+    make_run(host, "20260101T000000Z-ddddddd-bench")
+    make_run(host, "20260101T000001Z-ddddddd-dirty-bench", dirty=True)
+    out = fetch(host, repo, dry_run=True)
+    assert out.error is None and out.summary == "dry run: 2 runs to fetch" and len(out.run_ids) == 2
+    assert not (repo / "results").exists() and git(repo, "log", "--format=%s") == "init\n"
