@@ -32,7 +32,7 @@ from pathlib import Path, PurePosixPath
 from . import provenance
 from .errors import KdtError, TransferError, UsageError
 from .inventory import Host
-from .pipeline import Outcome, layout_for
+from .pipeline import Outcome, layout_for, read_remote_json
 from .plan import Options
 from .progress import Progress
 from .transport import Transport, open_transport
@@ -201,7 +201,6 @@ def fetch_results(host: Host, repo_root: Path, opts: Options, progress: Progress
             log(f"{rid}: still running (no final manifest yet); fetch it again once it is complete")
         manifests = {}
         for rid in wanted:
-            from .pipeline import read_remote_json
             manifests[rid] = read_remote_json(t, f"{lay.run(rid)}/{MANIFEST}")
         if opts.dry_run:
             for rid in wanted:
