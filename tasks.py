@@ -212,9 +212,12 @@ def test(c, pytest_args=""):
     env = {"KDTREE_LIB": str(REPO / "build/cpu/libkdtree.so")}
     if (REPO / "engine/kdtr.py").is_file():
         _sh([sys.executable, "-m", "engine.kdtr", "generate", "--out", "build/cpu/bundles"], 1, env)
-    if (REPO / "cuda/run_tests.sh").is_file():
-        _sh(["bash", "cuda/run_tests.sh", "--build", "build/cpu", "--bundles", "build/cpu/bundles",
-             "--junit", "build/cpu/native-junit.xml"], 1, env)
+    native_failed = False
+    if (REPO / "cuda/run_tests.sh").is_file():  # a failure here still lets pytest run: exit 1 at the end
+        argv = ["bash", "cuda/run_tests.sh", "--build", "build/cpu", "--bundles", "build/cpu/bundles",
+                "--junit", "build/cpu/native-junit.xml"]
+        print("$ " + " ".join(argv), flush=True)
+        native_failed = subprocess.run(argv, cwd=REPO, env={**os.environ, **env}).returncode != 0
     argv = [sys.executable, "-m", "pytest", "-q", *pytest_args.split()]
     print("$ " + " ".join(argv), flush=True)
     p = subprocess.Popen(argv, cwd=REPO, env={**os.environ, **env}, stdout=subprocess.PIPE, text=True)
@@ -225,7 +228,9 @@ def test(c, pytest_args=""):
             last = line.strip()
     code = p.wait()
     print(f"pytest: {last}")
-    if code:
+    if native_failed:
+        print("error: local: cuda/run_tests.sh reported failures (see its output above)", file=sys.stderr)
+    if code or native_failed:
         raise Exit(code=1)
 
 
