@@ -34,6 +34,7 @@ from .inventory import Host
 from .transport import KILL_GRACE_S, RunResult, Transport, _LineSink, _wrap, command_text, signal_name
 
 KEEPALIVE_S = 15
+EXIT_GRACE_S = 2.0  # after the exit status, how long silent output is awaited before giving up on EOF
 _PGID_PREFIX = b"KDT-PGID "
 
 
@@ -196,14 +197,19 @@ class SshTransport(Transport):
             chan.shutdown_write()
         deadline = None if timeout is None else start + timeout
         fd = chan.fileno()  # readable when stdout or stderr data (or EOF) arrives
+        last_data = time.monotonic()
         while True:
-            self._drain(chan, out, err)
+            if self._drain(chan, out, err):
+                last_data = time.monotonic()
             if chan.eof_received:  # all output is in; the exit status follows
                 if chan.status_event.wait(0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic()))):
                     self._drain(chan, out, err)
                     break
-            elif chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
-                break  # exited, yet something (a background child) still holds its output open
+            elif chan.exit_status_ready() and time.monotonic() - last_data > EXIT_GRACE_S:
+                # sshd may send the exit status before the last output, so output is awaited until
+                # EOF; but a background child can hold the output open forever: stop once it has
+                # been silent for EXIT_GRACE_S after the exit.
+                break
             if chan.closed:
                 break  # closed without EOF: no exit status will come (handled below)
             if deadline is not None and time.monotonic() > deadline:
@@ -213,7 +219,7 @@ class SshTransport(Transport):
             if not self._transport().is_active():
                 raise HostUnreachable(f"connection lost while running `{command[:80]}`", host=self.host.name)
             if not chan.eof_received:
-                wait = 0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic()))
+                wait = 0.1 if deadline is None else max(0.0, min(0.1, deadline - time.monotonic()))
                 select.select([fd], [], [], wait)
         out.close(), err.close()
         code = chan.recv_exit_status()
