@@ -271,3 +271,16 @@ def test_proxyjump_checks_every_hop(loopback_sshd, tmp_path, monkeypatch):
     with open_transport(load_host(str(path), HOSTS)) as t:
         assert t.conn.gateway is not None
         assert t.run(["echo", "through the jump"]).stdout == "through the jump\n"
+
+
+def test_output_after_exit_and_background_holders(make_transport):
+    """Output written just after the command's shell exits is kept (sshd may report the exit
+    first); a background child holding the output open does not hang the call."""
+    t = make_transport()
+    r = t.run("(sleep 0.3; echo late) & echo early")
+    assert r.ok and r.stdout == "early\nlate\n"
+    start = time.monotonic()
+    r = t.run("sleep 30 & echo $!")
+    seconds = time.monotonic() - start
+    os.kill(int(r.stdout), 9)  # the loopback host is this machine
+    assert r.ok and seconds < 20, f"the call waited {seconds:.1f} s for a background child"

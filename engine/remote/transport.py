@@ -282,8 +282,10 @@ class LocalTransport(Transport):
             _kill_group(proc.pid, proc)
             raise self._timeout_error(command, timeout) from None
         finally:
+            # A background child may hold the output open: collect for a few seconds at most.
+            until = time.monotonic() + 5.0
             for t in threads:
-                t.join(timeout=5)
+                t.join(timeout=max(0.0, until - time.monotonic()))
         code = proc.returncode
         sig = _signal.Signals(-code).name if code < 0 else signal_name(code)
         return RunResult(command, code if code >= 0 else 128 - code, sig, sinks["stdout"].text(),
