@@ -80,7 +80,7 @@ def depth_accuracy(net, data, cfg, rng, batches: int = 8, batch: int = 64, devic
     return hits / np.maximum(count, 1)
 
 
-def train(weights_dir, steps: int = 600, sequences: int = 64, new_tokens: int = 96,
+def train(weights_dir, steps: int = 800, sequences: int = 192, new_tokens: int = 96,
           batch: int = 64, lr: float = 3e-3, seed: int = 0, device: str = "cpu", log=None) -> dict:
     """Trains the drafter in weights_dir (from its current weights) and saves it there."""
     import torch
