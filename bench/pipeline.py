@@ -238,7 +238,7 @@ def run(ctx) -> dict:
             try:
                 _time_full_deploy(run_deploy, remote, repo, files, victim, rng, reps, ctx.quick, records, add_row)
             except Exception as e:  # e.g. the tree does not build right now: the sync figures still stand
-                notes.append(f"full deploy not measured: {type(e).__name__}: {' '.join(str(e).split())[:300]}")
+                notes.append(f"full deploy not measured: {type(e).__name__}: {' '.join(str(e).split())[-2000:]}")
 
         # 3. fetch: a run folder over SSH, file by file with sha256 checks.
         remote_run = tmp / "remote-fetch" / "runs" / "bench-fetch"
@@ -262,7 +262,7 @@ def run(ctx) -> dict:
                 for r in records if "targets" in r]
     table = format_table(["method", "step", "median ms", "p10 ms", "p90 ms", "files sent", "bytes sent", "check"], rows)
     table += "\nno-change redeploy targets:\n" + "".join(f"  {v}\n" for v in verdicts)
-    table += "".join(f"note: {n}\n" for n in notes)
+    table += "".join(f"note: {n[:300]}{' ... (in the JSON)' if len(n) > 300 else ''}\n" for n in notes)
     return {"params": {"reps": reps, "seed": seed, "tree_files": len(files), "tree_bytes": tree_bytes,
                        "methods": methods, "transport": "ssh to a loopback sshd (127.0.0.1)", "notes": notes,
                        "targets": {"noop_under_s": NOOP_LIMIT_S, "noop_under_fraction_of_first": NOOP_LIMIT_FRACTION}},
