@@ -284,3 +284,11 @@ def test_output_after_exit_and_background_holders(make_transport):
     seconds = time.monotonic() - start
     os.kill(int(r.stdout), 9)  # the loopback host is this machine
     assert r.ok and seconds < 20, f"the call waited {seconds:.1f} s for a background child"
+
+
+def test_missing_identity_file_is_a_config_error(loopback_sshd, tmp_path):
+    from engine.remote.errors import ConfigError
+    host = ssh_host(loopback_sshd, tmp_path, name="nokey", identity_file=str(tmp_path / "no_such_key"))
+    with pytest.raises(ConfigError) as err:
+        open_transport(host)
+    assert "identity_file" in str(err.value) and "no_such_key" in str(err.value) and err.value.exit_code == 5

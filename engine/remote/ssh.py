@@ -29,7 +29,7 @@ from pathlib import Path
 import fabric
 import paramiko
 
-from .errors import HostKeyError, HostUnreachable, TransferError
+from .errors import ConfigError, HostKeyError, HostUnreachable, TransferError
 from .inventory import Host
 from .transport import KILL_GRACE_S, RunResult, Transport, _LineSink, _wrap, command_text, signal_name
 
@@ -77,7 +77,11 @@ class SshTransport(Transport):
         target = host.ssh_config_alias or host.hostname
         connect_kwargs = {"banner_timeout": host.timeouts.connect, "auth_timeout": host.timeouts.connect}
         if host.identity_file:
-            connect_kwargs["key_filename"] = [str(self._local_path(host.identity_file))]
+            key_path = self._local_path(host.identity_file)
+            if not key_path.is_file():
+                raise ConfigError(f"{host.source or '<embedded>'}: identity_file: {key_path} does not exist",
+                                  host=host.name, step="connect", hint="fix the path, or drop it to use the agent")
+            connect_kwargs["key_filename"] = [str(key_path)]
         # The YAML's port wins when the host is addressed directly or the port is not the default.
         port = host.port if (host.hostname and not host.ssh_config_alias) or host.port != 22 else None
         self.conn = fabric.Connection(target, user=host.user, port=port, config=config,
