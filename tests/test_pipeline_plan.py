@@ -130,3 +130,19 @@ def test_source_digest_changes_with_content_and_build_line(tmp_path):
     assert d1 != source_digest(tmp_path, ["a.txt"], ["bash", "build.sh", "--debug"])
     (tmp_path / "a.txt").write_text("two")
     assert d1 != source_digest(tmp_path, ["a.txt"], ["bash", "build.sh"])
+
+
+def test_python_env_is_public_and_shared_with_serve(repo):
+    """engine/remote/serve.py uses plan.python_env, never a private name of plan.py."""
+    import ast
+
+    from engine.remote import plan, serve
+
+    lay = Layout(RD, "sm_90")
+    assert plan.python_env(lay) == {"PYTHONPATH": f"{RD}/src", "PYTHONDONTWRITEBYTECODE": "1"}
+    bundles = next(s for s in plan_deploy(host(), lay, repo, Options()).steps if s.name == "bundles")
+    assert bundles.env == plan.python_env(lay)
+    tree = ast.parse(Path(serve.__file__).read_text())
+    imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "plan"
+                for a in n.names]
+    assert "python_env" in imported and not [n for n in imported if n.startswith("_")], imported

@@ -144,8 +144,11 @@ def source_digest(repo_root: Path, files: list[str], build_argv: list[str]) -> s
 
 # ---- plans ---------------------------------------------------------------------------------------
 
-def _py_env(lay: Layout) -> dict[str, str]:
-    # The synced source is the package; no __pycache__ written into src/ (sync would see it).
+def python_env(lay: Layout) -> dict[str, str]:
+    """The environment of every Python command run from the synced tree on a host: `lay.src`
+    on PYTHONPATH (the synced source is the package; it is never installed), and no bytecode
+    written (a `__pycache__` inside src/ would show up as changes to the next sync).
+    Used by the plans here and by engine/remote/serve.py."""
     return {"PYTHONPATH": lay.src, "PYTHONDONTWRITEBYTECODE": "1"}
 
 
@@ -161,7 +164,7 @@ def plan_deploy(host: Host, lay: Layout, repo_root: Path, opts: Options, n_files
              argv=build_argv, cwd=lay.remote_dir, timeout=host.timeouts.build),
         Step("bundles", f"generate the KDTR test bundles into {lay.bundles}",
              argv=[host.python, "-m", "engine.kdtr", "generate", "--out", lay.bundles],
-             cwd=lay.src, env=_py_env(lay), timeout=host.timeouts.build),
+             cwd=lay.src, env=python_env(lay), timeout=host.timeouts.build),
         Step("unlock", f"release {lay.remote_dir}/.lock"),
     ]
     if opts.no_build:
@@ -173,7 +176,7 @@ def plan_deploy(host: Host, lay: Layout, repo_root: Path, opts: Options, n_files
 
 
 def runner_steps_test(host: Host, lay: Layout, run_dir: str, repo_root: Path, opts: Options) -> list[Step]:
-    env = {**_py_env(lay), "KDTREE_LIB": lay.lib}
+    env = {**python_env(lay), "KDTREE_LIB": lay.lib}
     if (opts.suite or "native") == SELFTEST:
         return [Step("selftest", "the built-in pipeline selftest (engine/remote/selftest.py)",
                      argv=[host.python, "-m", "engine.remote.selftest", "test", "--junit",
@@ -196,7 +199,7 @@ def runner_steps_test(host: Host, lay: Layout, run_dir: str, repo_root: Path, op
 
 
 def runner_steps_bench(host: Host, lay: Layout, run_dir: str, opts: Options) -> list[Step]:
-    env = {**_py_env(lay), "KDTREE_LIB": lay.lib}
+    env = {**python_env(lay), "KDTREE_LIB": lay.lib}
     suite = opts.suite or DEFAULT_BENCH_SUITES
     if suite == SELFTEST:
         argv = [host.python, "-m", "engine.remote.selftest", "bench", "--out", run_dir]
@@ -218,7 +221,7 @@ def plan_run(kind: str, host: Host, lay: Layout, run_id: str, repo_root: Path, o
     runner = Step("runner", f"run the steps below in {run_dir} and finalize manifest.json"
                             + (" (detached: survives the connection)" if opts.detach else ""),
                   argv=[host.python, "-m", "engine.remote.runner", run_dir], cwd=lay.src,
-                  env=_py_env(lay),
+                  env=python_env(lay),
                   timeout=sum(s.timeout or 0 for s in steps if not s.skipped) + RUNNER_MARGIN_S)
     return Plan(kind, host.name, host.address,
                 [Step("lock", f"hold {lay.remote_dir}/.lock"), runner, *steps],

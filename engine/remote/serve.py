@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from .errors import ConfigError, KdtError, TransferError, UsageError
 from .inventory import Host
-from .plan import Layout, _py_env
+from .plan import Layout, python_env
 from .transport import Transport, open_transport
 
 HEALTH_WAIT_S = 300.0  # engine creation, drafter load and a CUDA context on a busy host
@@ -90,7 +90,7 @@ def _weights(t: Transport, host: Host, lay: Layout, weights: str | None) -> str:
     if t.run(f"test -f {shlex.quote(path)}/config.json", timeout=host.timeouts.connect).ok:
         return path
     r = t.run([host.python, "-m", "engine.model", "init", "--out", path], cwd=lay.src,
-              env=_py_env(lay), timeout=host.timeouts.build)
+              env=python_env(lay), timeout=host.timeouts.build)
     if not r.ok:
         raise ServerFailed(f"creating the tiny weights in {path} failed: {r.tail(5)}",
                            host=host.name, step="serve")
@@ -117,7 +117,7 @@ def start_server(host: Host, *, mode: str = "ddtree", budget: int = 63, port: in
         argv = [host.python, "-m", "engine.serve", "--weights", w, "--mode", mode, "--budget",
                 str(budget), "--port", str(port), "--bind", "127.0.0.1", "--device", device,
                 "--max-batch", str(max_batch), "--instance-id", iid]
-        pid = t.spawn_detached(argv, cwd=lay.src, env={**_py_env(lay), "KDTREE_LIB": lay.lib},
+        pid = t.spawn_detached(argv, cwd=lay.src, env={**python_env(lay), "KDTREE_LIB": lay.lib},
                                log_path=log)
         url = f"http://127.0.0.1:{port}"
         r = t.run([host.python, "-c", _WAIT_HEALTH, str(pid), url, str(HEALTH_WAIT_S), iid],
