@@ -269,14 +269,13 @@ def _run_dir(spec: str) -> Path:
 def compare(c, run_a, run_b=None, against=None, threshold=0.05):
     """Compare runs like with like: `compare RUN_A --run-b RUN_B` or `compare RUN --against latest`;
     exit 2 on a regression beyond the threshold."""
-    from engine.remote.compare import compare_runs
-    from engine.remote.results import latest_bench_run
+    from engine.remote.compare import compare_runs, latest_run
     # Invoke positionals cannot be optional, so RUN_B is the flag --run-b.
     if against not in (None, "latest") or (run_b is None) == (against is None):
         _fail("error: compare: give --run-b RUN_B or --against latest", 5)
     a = _run_dir(run_a)
     if against == "latest":
-        base = latest_bench_run(a.parent, exclude=a)
+        base = latest_run(a.parent, exclude=a)
         if base is None:
             _fail(f"error: compare: no other bench run under {a.parent} to compare {a.name} against", 5)
         a, b = base, a

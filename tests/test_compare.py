@@ -71,7 +71,7 @@ def _write_run(root, run_id, medians, rng, host="h200", gpu=GPU, cmds=CMDS, n=30
     d = root / host / run_id
     d.mkdir(parents=True)
     (d / "manifest.json").write_text(json.dumps({
-        "schema": 1, "run_id": run_id, "host": {"name": host, "address": "10.0.0.1"},
+        "schema": 1, "run_id": run_id, "kind": "bench", "host": {"name": host, "address": "10.0.0.1"},
         "host_facts": {"gpus": [gpu] if gpu else []}, "build": {"commands": cmds}}))
     results = []
     for (bs, backend), med in medians.items():
@@ -168,6 +168,21 @@ def test_latest_run(tmp_path, rng):
     b = _write_run(tmp_path, "20260102T000000Z-bbbbbbb-bench", {(1, "x"): 1e-5}, rng)
     assert cmp.latest_run(tmp_path / "h200") == b
     assert cmp.latest_run(tmp_path / "h200", exclude=b) == a
+
+
+def test_latest_run_picks_only_complete_bench_runs(tmp_path, rng):
+    """A newer test run (it may hold JSON files too), a folder without a final manifest and a
+    leftover .incoming-* folder are never "the latest bench run"."""
+    a = _write_run(tmp_path, "20260101T000000Z-aaaaaaa-bench", {(1, "x"): 1e-5}, rng)
+    t = _write_run(tmp_path, "20260103T000000Z-ccccccc-test", {(1, "x"): 1e-5}, rng)
+    m = json.loads((t / "manifest.json").read_text())
+    (t / "manifest.json").write_text(json.dumps(dict(m, kind="test")))
+    (t / "status.json").write_text("{}")
+    partial = _write_run(tmp_path, "20260104T000000Z-ddddddd-bench", {(1, "x"): 1e-5}, rng)
+    (partial / "manifest.json").unlink()
+    _write_run(tmp_path, ".incoming-20260105T000000Z-eeeeeee-bench-42", {(1, "x"): 1e-5}, rng)
+    assert cmp.latest_run(tmp_path / "h200") == a
+    assert cmp.latest_run(tmp_path / "h200", exclude=a) is None
 
 
 def test_record_keys():

@@ -162,14 +162,19 @@ def test_interrupted_fetch_is_finished_by_the_next(repo, host):
 
 
 def test_latest_bench_run_ignores_test_runs(tmp_path):
+    """One implementation (engine.remote.compare.latest_run) serves `invoke compare --against
+    latest`; results.latest_bench_run was its duplicate."""
+    from engine.remote.compare import latest_run
+
+    assert not hasattr(results, "latest_bench_run")
     for rid, kind in (("20260101T000001Z-a-bench", "bench"), ("20260101T000002Z-a-bench", "bench"),
                       ("20260101T000003Z-a-test", "test")):
         (tmp_path / rid).mkdir()
         (tmp_path / rid / "manifest.json").write_text(json.dumps({"kind": kind}))
     (tmp_path / "20260101T000009Z-a-bench").mkdir()  # no manifest: not a fetched run
-    assert results.latest_bench_run(tmp_path).name == "20260101T000002Z-a-bench"
-    assert results.latest_bench_run(tmp_path, tmp_path / "20260101T000002Z-a-bench").name == "20260101T000001Z-a-bench"
-    assert results.latest_bench_run(tmp_path / "none") is None
+    assert latest_run(tmp_path).name == "20260101T000002Z-a-bench"
+    assert latest_run(tmp_path, tmp_path / "20260101T000002Z-a-bench").name == "20260101T000001Z-a-bench"
+    assert latest_run(tmp_path / "none") is None
 
 
 def test_fetch_dry_run_touches_nothing(repo, host):

@@ -347,13 +347,24 @@ def compare_runs(run_a_dir, run_b_dir, threshold: float = 0.05, alpha: float = 0
 
 
 def latest_run(host_dir, exclude=None) -> Path | None:
-    """The newest run folder (by run id, which starts with a UTC timestamp) holding a bench
-    suite JSON under `host_dir`, skipping `exclude`; None when there is none."""
+    """The newest benchmark run under `host_dir` (results/<host>/), skipping `exclude`; None
+    when there is none. A benchmark run is a folder whose final manifest.json says
+    `kind == "bench"` (test runs and incomplete folders are never picked); run ids start with
+    a UTC timestamp, so the largest name is the newest. Used by `invoke compare --against
+    latest`."""
     host_dir = Path(host_dir)
     if not host_dir.is_dir():
         return None
     skip = Path(exclude).resolve() if exclude else None
-    runs = [d for d in host_dir.iterdir() if d.is_dir() and any(
-        p.name != "manifest.json" for p in d.glob("*.json"))]
-    runs = [d for d in runs if skip is None or d.resolve() != skip]
+    runs = []
+    for d in host_dir.iterdir():
+        m = d / "manifest.json"
+        if d.name.startswith(".") or not m.is_file() or (skip is not None and d.resolve() == skip):
+            continue
+        try:
+            kind = json.loads(m.read_text()).get("kind")
+        except (json.JSONDecodeError, AttributeError):
+            raise ValueError(f"{m}: not a JSON object (a damaged manifest)") from None
+        if kind == "bench":
+            runs.append(d)
     return max(runs, key=lambda d: d.name) if runs else None

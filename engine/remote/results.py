@@ -106,17 +106,6 @@ def select_runs(remote: list[tuple[str, bool]], local: set[str], which: str | No
     return [which], []
 
 
-def latest_bench_run(host_dir: Path, exclude: Path | None = None) -> Path | None:
-    """The newest fetched run of kind bench under results/<host>/ (run ids sort by time)."""
-    skip = exclude.resolve() if exclude else None
-    runs = []
-    for d in Path(host_dir).iterdir() if Path(host_dir).is_dir() else []:
-        m = d / MANIFEST
-        if d.is_dir() and m.is_file() and d.resolve() != skip and json.loads(m.read_text()).get("kind") == "bench":
-            runs.append(d)
-    return max(runs, key=lambda d: d.name) if runs else None
-
-
 def _git(repo_root: Path, *args: str, check: bool = True) -> str:
     r = subprocess.run(["git", "-C", str(repo_root), *args], capture_output=True, text=True)
     if check and r.returncode != 0:
