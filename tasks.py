@@ -23,7 +23,7 @@ import time
 import traceback
 from pathlib import Path
 
-from invoke import Exit, task
+from invoke import Argument, Exit, Task, task
 
 REPO = Path(__file__).resolve().parent
 HOSTS_DIR = REPO / "hosts"
@@ -262,17 +262,40 @@ def _run_dir(spec: str) -> Path:
     return hits[0]
 
 
-@task(auto_shortflags=False, help={"run_a": "baseline run (id or path)", "run_b": "candidate run (id or path), compared against RUN_A",
-                                   "against": "latest: compare run_a against the newest other run of its host",
-                                   "threshold": "slowdown fraction that counts as a regression (0.05)"})
+class _AgainstArgument(Argument):
+    """--against, which also marks RUN_B as given (as "", meaning "not given"), so that
+    `compare RUN --against latest` parses although RUN_B is positional: Invoke's positional
+    arguments are all required, and this is how one of them becomes optional."""
+    run_b: Argument
+
+    def set_value(self, value, cast: bool = True) -> None:
+        super().set_value(value, cast)
+        if self.run_b.value is None:
+            self.run_b.set_value("", cast=False)
+
+
+class _CompareTask(Task):
+    def get_arguments(self, ignore_unknown_help=None):
+        args = super().get_arguments(ignore_unknown_help)
+        by_name = {a.name: a for a in args}
+        against = by_name["against"]
+        against.__class__ = _AgainstArgument  # same fields, one more behaviour
+        against.run_b = by_name["run_b"]
+        return args
+
+
+@task(klass=_CompareTask, positional=["run_a", "run_b"], auto_shortflags=False,
+      help={"run_a": "baseline run (id or path)", "run_b": "candidate run (id or path), compared against RUN_A",
+            "against": "latest: compare RUN_A against the newest other bench run of its host (then no RUN_B)",
+            "threshold": "slowdown fraction that counts as a regression (0.05)"})
 @_guarded
 def compare(c, run_a, run_b=None, against=None, threshold=0.05):
-    """Compare runs like with like: `compare RUN_A --run-b RUN_B` or `compare RUN --against latest`;
+    """Compare runs like with like: `compare RUN_A RUN_B` or `compare RUN --against latest`;
     exit 2 on a regression beyond the threshold."""
     from engine.remote.compare import compare_runs, latest_run
-    # Invoke positionals cannot be optional, so RUN_B is the flag --run-b.
+    run_b = run_b or None  # "" = left out (see _AgainstArgument)
     if against not in (None, "latest") or (run_b is None) == (against is None):
-        _fail("error: compare: give --run-b RUN_B or --against latest", 5)
+        _fail("error: compare: give RUN_B (compare RUN_A RUN_B) or --against latest, not both", 5)
     a = _run_dir(run_a)
     if against == "latest":
         base = latest_run(a.parent, exclude=a)

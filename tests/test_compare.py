@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -194,3 +197,27 @@ def test_record_keys():
     assert a != b and a == "e2e/cpu ddtree B=15 block bs=1"
     assert cmp.record_key({"name": "sha256_64KiB", "bytes_per_s": 1.5e9}) == "sha256_64KiB"
     assert cmp.record_key({"what": "x", "bs": 4, "rate": 2.5}) == "bs=4 what=x"
+
+
+def _invoke_compare(*args):
+    repo = Path(__file__).resolve().parent.parent
+    return subprocess.run([sys.executable, "-m", "invoke", "compare", *map(str, args)], cwd=repo,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_invoke_compare_cli_positional_and_against_latest(tmp_path, rng):
+    """The real CLI: `invoke compare RUN_A RUN_B`, `invoke compare RUN --against latest`, and
+    giving both is a usage error (5)."""
+    a = _write_run(tmp_path, "20260101T000000Z-aaaaaaa-bench", {(1, "native-cpu"): 1e-5}, rng)
+    b = _write_run(tmp_path, "20260102T000000Z-bbbbbbb-bench", {(1, "native-cpu"): 1e-5}, rng)
+    doc = json.loads((a / "tree_build.json").read_text())
+    doc["results"][0]["samples"] = rng.permutation(doc["results"][0]["samples"]).tolist()
+    (b / "tree_build.json").write_text(json.dumps(doc))  # B = A's samples reshuffled: no change
+    r = _invoke_compare(a, b)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "no significant change" in r.stdout and "tree_build/native-cpu bs=1 budget=15" in r.stdout
+    r = _invoke_compare(b, "--against", "latest")  # the newest other bench run of b's host: a
+    assert r.returncode == 0 and "no significant change" in r.stdout, r.stdout + r.stderr
+    assert a.name in r.stdout and b.name in r.stdout
+    r = _invoke_compare(a, b, "--against", "latest")
+    assert r.returncode == 5 and "not both" in r.stderr, r.stdout + r.stderr
