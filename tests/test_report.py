@@ -30,6 +30,7 @@ def _att_rec(bs, prefix, tree, med, frac_mm, frac_bw):
 def _run(root, run_id, rng, speed=1.0):
     d = root / run_id
     d.mkdir(parents=True)
+    (d / "manifest.json").write_text(json.dumps({"schema": 1, "run_id": run_id, "kind": "bench"}))
     recs = []
     for bs in (1, 4, 64):
         for budget in (15, 255):
@@ -130,3 +131,26 @@ def test_report_with_a_failed_suite(tmp_path, rng):
                                             "results": [], "table": ""}))
     text = report.write_report(host, tmp_path / "docs").read_text()
     assert "### e2e (FAILED)" in text and "not in this checkout" in text
+
+
+def test_report_reads_only_complete_runs_and_counts_the_skipped(tmp_path, rng):
+    """A dead fetch's .incoming-* folder and a run without a final manifest are not read (their
+    figures would show up as the newest run) and the page says how many folders were skipped."""
+    host = tmp_path / "results" / "h200"
+    _run(host, "20260101T000000Z-aaaaaaa-bench", rng)
+    late = _run(host, "20260103T000000Z-ccccccc-bench", rng, speed=50.0)
+    (late / "manifest.json").unlink()
+    _run(host, ".incoming-20260104T000000Z-ddddddd-bench-77", rng, speed=50.0)
+    (host / "20260102T000000Z-bbbbbbb-test").mkdir()
+    (host / "20260102T000000Z-bbbbbbb-test" / "manifest.json").write_text('{"kind": "test"}')
+    runs, skipped = report.load_runs(host)
+    assert [r["id"] for r in runs] == ["20260101T000000Z-aaaaaaa-bench"]
+    assert sorted(n for n, _ in skipped) == [".incoming-20260104T000000Z-ddddddd-bench-77",
+                                             "20260102T000000Z-bbbbbbb-test",
+                                             "20260103T000000Z-ccccccc-bench"]
+    page = report.write_report(host, tmp_path / "docs").read_text()
+    assert "3 folder(s) skipped" in page and "ccccccc" not in page.split("## Newest run")[1]
+    assert "no final manifest.json" in page
+    (host / "20260101T000000Z-aaaaaaa-bench" / "manifest.json").unlink()
+    with pytest.raises(ValueError, match="no final manifest.json"):
+        report.write_report(host, tmp_path / "docs")
