@@ -6,12 +6,13 @@
     while (item := await job.queue.get())[0] == "tokens": ...   # ("tokens", [ids])
     # then ("done", "length") or ("error", message)
     b.cancel(job)                                   # a client went away: its slot is freed
+    b.pause(); b.resume()                           # tests: hold / release the decode steps
     b.stop()
 
 Why a thread: an engine step is a long blocking native call (ctypes releases the GIL), so the
 HTTP event loop stays responsive while the worker runs the engine. Only the worker touches the
-engine; the event loop and the worker share only `_pending`, `_cancelled` and `_stopping`, under
-`_cond`. Tokens go back to the event loop through `loop.call_soon_threadsafe`.
+engine; the event loop and the worker share only `_pending`, `_cancelled`, `_stopping`, `_paused`
+and `_in_flight`, under `_cond`. Tokens go back to the event loop through `loop.call_soon_threadsafe`.
 
 One worker iteration (a "step boundary"):
   1. free the slots of cancelled jobs (engine.release);
@@ -20,8 +21,16 @@ One worker iteration (a "step boundary"):
   3. one engine.step(mode, budget): every active slot advances by one AR step or one DDTree
      round in one batched target forward; new tokens are sent, trimmed to max_tokens; a job
      that has max_tokens tokens is done and its slot released.
-Capacity: max_batch slots in the engine plus max_queue waiting jobs; beyond that submit raises
-Overloaded (HTTP 429). After stop(), or if the worker died, submit raises Unavailable (503).
+Capacity: max_batch slots in the engine plus max_queue waiting jobs. The admission decision is
+made synchronously in submit, under the lock, from one count: jobs accepted and not yet finished
+(queued, being prefilled, or active). A job therefore never escapes the count between the queue
+and its slot, and submit raises Overloaded (HTTP 429) exactly when max_batch + max_queue jobs are
+in flight. After stop(), or if the worker died, submit raises Unavailable (503).
+
+pause() holds the decode steps at the next step boundary (a step already running finishes);
+cancellations and admissions (prefill, first token) still happen, so a test can fill the slots
+and the queue and know that nothing finishes until resume(). Tests use it (through the server's
+--debug-hooks) to make overload and disconnect behaviour independent of machine speed.
 """
 
 from __future__ import annotations
@@ -78,6 +87,8 @@ class Batcher:
         self._cancelled: list = []
         self._active: dict = {}  # slot -> Job (worker only; len() read by stats)
         self._stopping = False
+        self._paused = False
+        self._in_flight = 0  # accepted jobs not finished: queued + being admitted + active
         self._thread: threading.Thread | None = None
         self.error: str | None = None  # why the worker died, if it did
         self.counters = {"requests": 0, "completed": 0, "cancelled": 0, "failed": 0,
@@ -112,12 +123,13 @@ class Batcher:
         with self._cond:
             if not self.alive():
                 raise Unavailable(self.error or "the server is shutting down")
-            waiting = len(self._pending) + len(self._active) - self.max_batch
-            if waiting >= self.max_queue:
+            if self._in_flight >= self.max_batch + self.max_queue:
                 self.counters["rejected"] += 1
-                raise Overloaded(f"{len(self._active)} of {self.max_batch} slots busy and "
-                                 f"{len(self._pending)} requests queued (limit {self.max_queue})")
+                raise Overloaded(f"{self._in_flight} requests in flight: {self.max_batch} slots "
+                                 f"and a queue of {self.max_queue} are full ({len(self._active)} "
+                                 f"active, {len(self._pending)} queued)")
             self._pending.append(job)
+            self._in_flight += 1
             self.counters["requests"] += 1
             self._cond.notify()
         return job
@@ -131,12 +143,27 @@ class Batcher:
             try:
                 self._pending.remove(job)
                 job.finished = True
+                self._in_flight -= 1
                 self.counters["cancelled"] += 1
                 return
             except ValueError:
                 pass
             self._cancelled.append(job)
             self._cond.notify()
+
+    def pause(self) -> None:
+        """Run no engine.step from the next step boundary on (cancellations and admissions
+        go on) until resume(). For tests: nothing in flight can finish while paused."""
+        with self._cond:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify()
+
+    def paused(self) -> bool:
+        return self._paused
 
     def stop(self, timeout: float = 30.0) -> None:
         with self._cond:
@@ -148,7 +175,8 @@ class Batcher:
     def stats(self) -> dict:
         with self._cond:
             c = dict(self.counters)
-            c.update(active=len(self._active), queued=len(self._pending))
+            c.update(active=len(self._active), queued=len(self._pending),
+                     in_flight=self._in_flight, paused=self._paused)
         # Tokens a slot gains per step (trimmed to max_tokens): 1 for AR, the accept length for
         # DDTree.
         c["tokens_per_slot_step"] = c["step_tokens"] / c["slot_steps"] if c["slot_steps"] else 0.0
@@ -160,7 +188,7 @@ class Batcher:
         try:
             while True:
                 with self._cond:
-                    while not (self._stopping or self._pending or self._cancelled or self._active):
+                    while not self._has_work():
                         self._cond.wait()
                     if self._stopping:
                         break
@@ -168,11 +196,12 @@ class Batcher:
                     admit = []
                     while self._pending and len(self._active) + len(admit) < self.max_batch:
                         admit.append(self._pending.popleft())
+                    step = not self._paused
                 for job in cancelled:
                     self._finish(job, None, "cancelled")
                 for job in admit:
                     self._admit(job)
-                if self._active:
+                if self._active and step:
                     self._step()
         except BaseException as e:  # a bug: record it, fail everyone, let /health say so
             self.error = f"batcher worker died: {type(e).__name__}: {e}"
@@ -185,6 +214,13 @@ class Batcher:
             for job in pending + list(self._active.values()):
                 self._finish(job, ("error", why), "failed")
 
+    def _has_work(self) -> bool:
+        """Under _cond: something for the worker to do (waiting otherwise; a paused worker with
+        full slots must sleep, not spin)."""
+        return bool(self._stopping or self._cancelled
+                    or (self._pending and len(self._active) < self.max_batch)
+                    or (self._active and not self._paused))
+
     def _finish(self, job: Job, item, counter: str) -> None:
         if job.finished:
             return
@@ -196,6 +232,7 @@ class Batcher:
                 pass
         with self._cond:
             job.finished = True
+            self._in_flight -= 1
             self.counters[counter] += 1
         if item is not None:
             job._put(item)

@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP server over the native engine (aiohttp), greedy only.
 
     python -m engine.serve --weights DIR --mode ar|ddtree --budget 63 --port 8000 \\
-        --device cpu|cuda [--max-batch 32] [--max-queue 64] [--bind 127.0.0.1]
+        --device cpu|cuda [--max-batch 32] [--max-queue 64] [--bind 127.0.0.1] [--debug-hooks]
 
 Endpoints (docs/SERVING.md):
   POST /v1/completions  prompt as a string (byte tokenizer, engine/tokenizer.py) or token ids;
@@ -13,6 +13,8 @@ Endpoints (docs/SERVING.md):
                         (finish_reason "length").
   GET  /v1/models       the one served model
   GET  /health          200 with the batcher's counters while the worker runs, else 503
+  POST /debug/pause     only with --debug-hooks (tests): hold the decode steps (Batcher.pause:
+  POST /debug/resume    admissions and cancellations go on, nothing finishes) / release them
 Errors are JSON `{"error": {"message", "type", "param", "code"}}`: 400 bad request, 404 unknown
 model or path, 429 every slot busy and the queue full, 503 shutting down or the worker died.
 Requests are batched continuously (engine/batcher.py); a client that disconnects frees its slot.
@@ -140,8 +142,9 @@ class Server:
     """The aiohttp application around one Batcher."""
 
     def __init__(self, batcher: Batcher, model_name: str, vocab_size: int,
-                 instance_id: str | None = None):
+                 instance_id: str | None = None, debug_hooks: bool = False):
         self.batcher, self.model_name, self.vocab_size = batcher, model_name, vocab_size
+        self.debug_hooks = debug_hooks
         # Names this process in /health, so a starter that finds another server on the port it
         # asked for can tell (engine/remote/serve.py).
         self.instance_id = instance_id or uuid.uuid4().hex
@@ -153,6 +156,9 @@ class Server:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        if self.debug_hooks:
+            app.router.add_post("/debug/pause", self.pause)
+            app.router.add_post("/debug/resume", self.resume)
         app.on_cleanup.append(self._cleanup)
         return app
 
@@ -180,6 +186,15 @@ class Server:
             body["error"] = self.batcher.error or "shutting down"
             return web.json_response(body, status=503)
         return web.json_response(body)
+
+    async def pause(self, _request) -> web.Response:
+        """Test hook: no decode step from the next step boundary on; returns the counters."""
+        self.batcher.pause()
+        return web.json_response({"paused": True, "stats": self.batcher.stats()})
+
+    async def resume(self, _request) -> web.Response:
+        self.batcher.resume()
+        return web.json_response({"paused": False, "stats": self.batcher.stats()})
 
     async def models(self, _request) -> web.Response:
         return web.json_response({"object": "list", "data": [{
@@ -265,7 +280,7 @@ class Server:
 
 def build(weights, mode: str = "ar", budget: int = 63, device: str = "cpu", max_batch: int = 32,
           max_queue: int = 64, max_seq: int = 1024, model_name: str | None = None,
-          instance_id: str | None = None) -> Server:
+          instance_id: str | None = None, debug_hooks: bool = False) -> Server:
     """Engine + Batcher (started) + Server for the weights folder."""
     from engine.native.engine import Engine
 
@@ -275,7 +290,7 @@ def build(weights, mode: str = "ar", budget: int = 63, device: str = "cpu", max_
     batcher = Batcher(engine, mode, budget, max_batch, max_queue)
     batcher.start()
     return Server(batcher, model_name or Path(weights).resolve().name, engine.vocab_size,
-                  instance_id)
+                  instance_id, debug_hooks)
 
 
 async def serve(server: Server, bind: str, port: int, log=sys.stdout) -> None:
@@ -324,6 +339,8 @@ def main(argv=None) -> int:
     ap.add_argument("--served-model-name", default=None, help="default: the weights folder name")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads for BLAS / torch")
     ap.add_argument("--instance-id", default=None, help="reported by /health (default: random)")
+    ap.add_argument("--debug-hooks", action="store_true", help="tests: enable POST /debug/pause "
+                    "and /debug/resume (hold the decode steps); never on a shared server")
     args = ap.parse_args(argv)
     if args.budget < 1:
         print(f"error: serve: --budget {args.budget}: need >= 1", file=sys.stderr)
@@ -335,7 +352,8 @@ def main(argv=None) -> int:
     limit_cpu_threads(args.threads)
     try:
         server = build(args.weights, args.mode, args.budget, args.device, args.max_batch,
-                       args.max_queue, args.max_seq, args.served_model_name, args.instance_id)
+                       args.max_queue, args.max_seq, args.served_model_name, args.instance_id,
+                       args.debug_hooks)
     except (OSError, ValueError, RuntimeError) as e:
         print(f"error: serve: {type(e).__name__}: {e}", file=sys.stderr)
         return 5

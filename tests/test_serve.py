@@ -1,11 +1,17 @@
 """The server (`python -m engine.serve`, CPU backend, tiny model) against clients on 127.0.0.1:
 served tokens == the engine's direct greedy output (AR and DDTree), the load generator against
 it, the `service` suite (its own server, and --url), bad requests, disconnecting clients and an
-overload burst. Fresh random weights and prompts every run; failures print the seed."""
+overload burst. Fresh random weights and prompts every run; failures print the seed.
+
+No test here depends on how fast this machine decodes: where a test needs requests that do not
+finish (an overload burst, disconnecting clients), it pauses the server's decode steps through
+--debug-hooks (POST /debug/pause: admissions and cancellations go on, nothing finishes) and
+resumes them afterwards. Waits are bounded polls for a state, never sleeps of a guessed length."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import socket
@@ -20,8 +26,8 @@ from native_helpers import cuda_ready, native, skip_cuda_without_gpu  # noqa: F4
 pytestmark = pytest.mark.native
 
 MAX_BATCH, MAX_QUEUE, BUDGET = 4, 2, 7
-MAX_SEQ = 4096  # long requests (LONG tokens) outlast any client-side wait on any CPU
-LONG = 4000
+MAX_SEQ = 4096
+LONG = 4000  # tokens of a request that must not finish while the test watches (paused anyway)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +48,8 @@ def _server(weights, mode, tmp_path_factory, device="cpu"):
 
     log = tmp_path_factory.mktemp(f"serve_{mode}_{device}") / "server.log"
     return ServerProcess(weights[0], mode, BUDGET, device, MAX_BATCH, MAX_QUEUE, log,
-                         extra=("--served-model-name", "tiny", "--max-seq", str(MAX_SEQ)))
+                         extra=("--served-model-name", "tiny", "--max-seq", str(MAX_SEQ),
+                                "--debug-hooks"))
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +89,27 @@ def health(url):
         return json.loads(r.read())
 
 
-def wait_for(pred, what, timeout=60.0):
+def debug_post(url, what):
+    """POST url/debug/<what> (pause | resume); returns the counters it answers with."""
+    req = urllib.request.Request(f"{url}/debug/{what}", data=b"", method="POST")
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())["stats"]
+
+
+@contextlib.contextmanager
+def decode_paused(url):
+    """The server's decode steps held for the with-block (resumed even when the test fails, so
+    the module's shared server stays usable). Starts from an idle server, so that capacity
+    counts in the block are exact."""
+    wait_for(lambda: health(url)["stats"]["in_flight"] == 0, "the server to be idle")
+    debug_post(url, "pause")
+    try:
+        yield
+    finally:
+        debug_post(url, "resume")
+
+
+def wait_for(pred, what, timeout=120.0):
     """Polls pred() (bounded); returns its last truthy value or fails naming `what`."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -221,42 +248,90 @@ def _open_stream(url, max_tokens):
 
 
 def test_disconnecting_clients_free_their_slots(ar_server):
+    """Paused, so none of these requests can finish however fast the engine is: two streams
+    that disconnect after their first chunk and a whole request whose client gives up must all
+    be cancelled, and their slots freed while still paused."""
     url = ar_server.url
-    before = health(url)["stats"]
-    socks = [_open_stream(url, LONG) for _ in range(2)]
-    assert health(url)["stats"]["active"] >= 2
-    for s in socks:
-        s.close()
-    # A whole (non-streamed) request whose client gives up is freed too.
-    with pytest.raises(OSError):  # socket.timeout / URLError: the client stops waiting
-        post(url, {"prompt": [4, 5], "max_tokens": LONG}, timeout=1.0)
-    st = wait_for(lambda: (h := health(url)["stats"])["active"] == 0 and h,
-                  "the server to release the disconnected clients' slots")
-    assert st["cancelled"] - before["cancelled"] == 3, st
-    assert st["completed"] == before["completed"], "a disconnected request ran to its end"
+    with decode_paused(url):
+        before = health(url)["stats"]
+        socks = [_open_stream(url, LONG) for _ in range(2)]
+        assert health(url)["stats"]["active"] == 2
+        for s in socks:
+            s.close()
+        # A whole (non-streamed) request whose client gives up is freed too: it is admitted
+        # (its slot taken) and never completes while paused, so the client's timeout fires.
+        with pytest.raises(OSError):  # socket.timeout / URLError: the client stops waiting
+            post(url, {"prompt": [4, 5], "max_tokens": LONG}, timeout=1.0)
+        st = wait_for(lambda: (h := health(url)["stats"])["in_flight"] == 0 and h,
+                      "the server to release the disconnected clients' slots")
+        assert st["active"] == 0 and st["queued"] == 0 and st["paused"], st
+        assert st["cancelled"] - before["cancelled"] == 3, st
+        assert st["completed"] == before["completed"], "a disconnected request ran to its end"
+        assert st["steps"] == before["steps"], "a decode step ran while paused"
 
 
-def test_overload_burst_gets_429_and_server_stays_healthy(ar_server, engine):
+def test_overload_burst_gets_429_and_server_stays_healthy(ar_server, engine, weights):
+    """20 requests at once against MAX_BATCH slots + MAX_QUEUE queue places, decode paused:
+    exactly MAX_BATCH + MAX_QUEUE are accepted (the admission count is exact, whatever the
+    arrival order or speed), the other 14 get 429 at once, /health answers meanwhile; after
+    resume the accepted ones complete with the engine's greedy tokens."""
     import aiohttp
 
     url = ar_server.url
+    seed = secrets.randbelow(2**31)
+    rng = np.random.default_rng(seed)
+    n_burst, n_tokens = 20, 8
+    prompts = [rng.integers(0, engine.vocab_size, size=int(rng.integers(1, 12))).tolist()
+               for _ in range(n_burst)]
+    accepted = MAX_BATCH + MAX_QUEUE
 
     async def burst():
         async with aiohttp.ClientSession() as s:
-            async def one(i):
+            async def one(p):
                 async with s.post(f"{url}/v1/completions",
-                                  json={"prompt": [i + 1], "max_tokens": 200}) as r:
-                    return r.status, await r.json()
-            return await asyncio.gather(*(one(i) for i in range(20)))
+                                  json={"prompt": p, "max_tokens": n_tokens}) as r:
+                    return r.status, await r.json(), r.headers.get("Retry-After")
 
-    out = asyncio.run(burst())
-    codes = [c for c, _ in out]
-    assert set(codes) <= {200, 429}, codes
-    assert codes.count(429) >= 20 - MAX_BATCH - MAX_QUEUE and codes.count(200) >= MAX_BATCH, codes
-    for c, body in out:
+            async def stats():
+                async with s.get(f"{url}/health") as r:
+                    assert r.status == 200, await r.text()
+                    return (await r.json())["stats"]
+
+            before = await stats()
+            tasks = [asyncio.ensure_future(one(p)) for p in prompts]
+            # Every request has had its admission decision once requests + rejected grew by 20.
+            deadline = time.monotonic() + 120
+            while True:
+                st = await stats()
+                if (st["requests"] - before["requests"]) + (st["rejected"] - before["rejected"]) \
+                        == n_burst and st["active"] == MAX_BATCH:
+                    break
+                assert time.monotonic() < deadline, f"seed {seed}: burst not admitted: {st}"
+                await asyncio.sleep(0.05)
+            held = dict(st)
+            assert not any(t.done() and t.result()[0] == 200 for t in tasks), \
+                "a request completed while decoding was paused"
+            await asyncio.get_running_loop().run_in_executor(None, debug_post, url, "resume")
+            return before, held, await asyncio.gather(*tasks)
+
+    with decode_paused(url):
+        before, held, out = asyncio.run(burst())
+    codes = [c for c, _, _ in out]
+    assert codes.count(200) == accepted and codes.count(429) == n_burst - accepted, \
+        f"seed {seed}: {codes}"
+    assert held["in_flight"] == accepted and held["queued"] == MAX_QUEUE, held
+    assert held["rejected"] - before["rejected"] == n_burst - accepted, held
+    ok = [i for i, c in enumerate(codes) if c == 200]
+    direct = engine.generate([prompts[i] for i in ok], n_tokens, mode="ar").tokens
+    for i, d in zip(ok, direct):
+        got = out[i][1]["choices"][0]["token_ids"]
+        assert got == d.tolist(), (f"weights seed {weights[1]}, prompt seed {seed}: "
+                                   f"request {i} served {got} != engine {d.tolist()}")
+    for c, body, retry in out:
         if c == 429:
-            assert body["error"]["code"] == "overloaded"
+            assert body["error"]["code"] == "overloaded" and retry == "1", body
     assert health(url)["status"] == "ok"
+    # Capacity is back: a request after the burst is served, with the engine's tokens.
     status, raw = post(url, {"prompt": [3, 1, 4], "max_tokens": 6})
     ref = engine.generate([3, 1, 4], 6, mode="ar").tokens.tolist()
     assert status == 200 and json.loads(raw)["choices"][0]["token_ids"] == ref
