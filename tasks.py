@@ -65,10 +65,17 @@ def _guarded(fn):
 def _remote(name: str, host: str | None, as_json: bool, **flags) -> None:
     """Resolve the hosts, run engine.remote.pipeline.<name> on each in parallel, report, exit."""
     from engine.remote import pipeline
+    from engine.remote.chain import parse_chain
     from engine.remote.inventory import resolve_hosts
     from engine.remote.plan import Options
     from engine.remote.progress import Progress
 
+    # Flags shared by the chain (`invoke deploy test-remote --host h200`): engine/remote/chain.py.
+    chain = parse_chain(sys.argv)
+    host = host or chain.host
+    as_json = as_json or chain.json
+    flags["dry_run"] = flags.get("dry_run", False) or chain.dry_run
+    flags["accept_new_host_key"] = flags.get("accept_new_host_key", False) or chain.accept_new_host_key
     hosts = resolve_hosts(host, HOSTS_DIR)
     opts = Options(as_json=as_json, **flags)
     fn = getattr(pipeline, name)
