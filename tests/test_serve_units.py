@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import threading
 import time
 
 import pytest
@@ -108,12 +109,14 @@ def test_parse_text_needs_a_byte_vocabulary():
 class FakeEngine:
     """The step API of engine.native.Engine with a known token stream: a slot's tokens are
     t0 = sum(prompt) % 97, then t_{i+1} = (7 t_i + 3) % 101; a step adds 1 token (ar) or 3
-    (ddtree). Records each step's slots; `gate` (an Event) can hold steps back."""
+    (ddtree). Records each step's slots. With hold_at=k, step number k (0-based) waits for
+    `gate` (an Event) before it runs: a test can act while the worker is known to be mid-decode."""
 
-    def __init__(self, max_slots=4, max_seq=1024, step_s=0.002):
+    def __init__(self, max_slots=4, max_seq=1024, step_s=0.002, hold_at=None):
         self.max_slots, self.max_seq, self.device = max_slots, max_seq, "cpu"
         self.step_s, self.toks, self.prompts = step_s, {}, {}
         self.log, self.released = [], []
+        self.hold_at, self.gate, self.holding = hold_at, threading.Event(), threading.Event()
 
     @staticmethod
     def stream(prompt, n):
@@ -132,6 +135,9 @@ class FakeEngine:
         return list(self.toks[slot])
 
     def step(self, mode, budget, drafter):
+        if len(self.log) == self.hold_at:
+            self.holding.set()
+            assert self.gate.wait(60), "FakeEngine: the test never opened the gate"
         time.sleep(self.step_s)
         self.log.append(sorted(self.toks))
         for slot, out in self.toks.items():
@@ -155,7 +161,7 @@ async def collect(job):
 @pytest.mark.parametrize("mode", ["ar", "ddtree"])
 def test_batcher_joins_at_step_boundaries_and_trims(mode):
     seed = secrets.randbelow(1000)
-    eng = FakeEngine()
+    eng = FakeEngine(hold_at=2)  # the third step waits: A is mid-decode, however slow we are
     b = Batcher(eng, mode, budget=7, max_batch=4, max_queue=2)
     b.start()
 
@@ -163,10 +169,12 @@ def test_batcher_joins_at_step_boundaries_and_trims(mode):
         loop = asyncio.get_running_loop()
         a = b.submit([seed, 1], 400, loop)
         first = []
-        while len(first) < 3:  # A is decoding: B joins mid-flight
+        while len(first) < 3:  # A is decoding: C joins mid-flight
             kind, value = await a.queue.get()
             first.extend(value)
+        await loop.run_in_executor(None, eng.holding.wait, 60)
         c = b.submit([seed, 2], 10, loop)
+        eng.gate.set()
         rest_a, ka, _ = await collect(a)
         out_c, kc, _ = await collect(c)
         return first + rest_a, ka, out_c, kc
@@ -180,6 +188,7 @@ def test_batcher_joins_at_step_boundaries_and_trims(mode):
     assert out_c == FakeEngine.stream([seed, 2], 10), f"seed {seed}: C's tokens (trimmed)"
     joint = [s for s in eng.log if len(s) == 2]
     assert joint, f"seed {seed}: no step ever carried both requests: {eng.log[:5]}"
+    assert eng.log[:3] == [[0]] * 3 and eng.log[3] == [0, 1], f"seed {seed}: {eng.log[:5]}"
     assert eng.log[0] == [0] and not eng.toks, "slots must be released when requests end"
     st = b.stats()
     assert st["completed"] == 2 and st["active"] == 0 and st["tokens"] == 410
@@ -189,15 +198,17 @@ def test_batcher_overload_cancel_and_stop():
     eng = FakeEngine(max_slots=2, step_s=0.005)
     b = Batcher(eng, "ar", max_batch=2, max_queue=1)
     b.start()
+    b.pause()  # nothing finishes until resume(): the capacity check below cannot race a step
 
     async def main():
         loop = asyncio.get_running_loop()
         jobs = [b.submit([i], 200, loop) for i in range(3)]  # 2 slots + 1 queued
         with pytest.raises(Overloaded, match="queued"):
             b.submit([9], 5, loop)
-        await jobs[0].queue.get()  # job 0 is active
+        await jobs[0].queue.get()  # job 0 is active (admitted, first token sent; paused)
         b.cancel(jobs[0])
-        b.cancel(jobs[2])  # still queued (or just admitted): freed either way
+        b.cancel(jobs[2])  # still queued (or just admitted into job 0's slot): freed either way
+        b.resume()
         out1, k1, _ = await collect(jobs[1])
         return k1, out1
 
@@ -216,6 +227,47 @@ def test_batcher_overload_cancel_and_stop():
 
     with pytest.raises(Unavailable):
         asyncio.run(after_stop())
+
+
+@pytest.mark.parametrize("max_batch, max_queue", [(1, 0), (2, 1), (3, 3), (4, 0)])
+def test_batcher_admits_exactly_capacity_while_paused(max_batch, max_queue):
+    """Paused: admissions go on (first tokens sent), no step runs, nothing finishes, and
+    exactly max_batch + max_queue of a burst are accepted; after resume all of them complete
+    with their own tokens and the counters balance."""
+    seed = secrets.randbelow(1000)
+    eng = FakeEngine(max_slots=max_batch)
+    b = Batcher(eng, "ddtree", budget=7, max_batch=max_batch, max_queue=max_queue)
+    b.start()
+    b.pause()
+    n = max_batch + max_queue + 3
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        jobs, rejected = [], 0
+        for i in range(n):
+            try:
+                jobs.append(b.submit([seed, i], 5, loop))
+            except Overloaded:
+                rejected += 1
+        firsts = [await j.queue.get() for j in jobs[:max_batch]]  # admitted while paused
+        st = b.stats()
+        b.resume()
+        return jobs, rejected, firsts, st, [await collect(j) for j in jobs]
+
+    try:
+        jobs, rejected, firsts, held, outs = asyncio.run(main())
+    finally:
+        b.stop()
+    assert len(jobs) == max_batch + max_queue and rejected == n - len(jobs), f"seed {seed}"
+    assert all(kind == "tokens" for kind, _ in firsts)
+    assert held["steps"] == 0 and held["completed"] == 0 and held["paused"], held
+    assert held["in_flight"] == len(jobs) and held["queued"] == max_queue, held
+    for i, (toks, kind, _) in enumerate(outs):
+        first = firsts[i][1] if i < max_batch else []
+        assert kind == "done" and first + toks == FakeEngine.stream([seed, i], 5), \
+            f"seed {seed}: job {i}"
+    st = b.stats()
+    assert st["completed"] == len(jobs) and st["rejected"] == rejected and st["in_flight"] == 0
 
 
 def test_batcher_engine_failure_fails_the_batch_and_keeps_serving():
