@@ -16,9 +16,11 @@ Derived rates (formula beside each):
   mean_accept_length      = mean over requests and rounds of accepted nodes (root included)
   speedup_vs_ar           = median(AR samples) / median(samples), same device and batch
 
-Options (ctx.args): `weights` (a folder; default: the tiny model, `python -m engine.model init`
-with seed 0 into <out>/e2e_weights), and any key of `grid()` (`prompts`, `new_tokens`,
-`budgets`, `qualities`, `batches`, `reps`, `block`) to override the default grid.
+Options (ctx.args): `weights` (a folder; default: the tiny model with seed 0 and its block
+drafter with seed 1, from the weights cache of bench/weights.py: weights are inputs and never
+land in the run folder), and any key of `grid()` (`prompts`, `new_tokens`, `budgets`,
+`qualities`, `batches`, `reps`, `block`) to override the default grid. params["weights"]
+records the folder, the target's config and the sha256 of every weights file.
 """
 
 from __future__ import annotations
@@ -46,14 +48,9 @@ def _weights(ctx) -> Path:
     w = ctx.args.get("weights")
     if w:
         return Path(w)
-    d = Path(ctx.out_dir) / "e2e_weights"
-    if not (d / "config.json").is_file():
-        from engine import drafters, model
+    from bench.weights import tiny_weights
 
-        cfg = model.tiny_config()
-        model.save_weights(d, cfg, model.init_weights(cfg, 0))
-        drafters.init_block_drafter(d, seed=1)
-    return d
+    return tiny_weights()
 
 
 def _prompts(n: int, vocab: int) -> list:
@@ -97,7 +94,9 @@ def run(ctx) -> dict:
             g[key] = ctx.args[key]
     n_prompts, new_tokens = int(g["prompts"]), int(g["new_tokens"])
     weights = _weights(ctx)
-    params = {"weights": str(weights), "prompts": n_prompts, "new_tokens": new_tokens,
+    from bench.weights import describe
+
+    params = {"weights": describe(weights), "prompts": n_prompts, "new_tokens": new_tokens,
               "prompt_seed": PROMPT_SEED, "budgets": g["budgets"], "oracle_qualities": g["qualities"],
               "batches": g["batches"], "reps": g["reps"], "devices": list(ctx.devices),
               "oracle_depth": 15, "block_drafter": g["block"]}

@@ -5,7 +5,8 @@
 With --url: sweeps the server at URL (any OpenAI-compatible /v1/completions: ours, vLLM's,
 SGLang's). Without: for each mode (AR, then DDTree) starts our server (`python -m engine.serve`)
 on 127.0.0.1 on a free port with the tiny model (`engine.model` init, seed 0, its block drafter
-seed 1; or the `weights` option), on cuda when ctx.devices has it, else cpu; waits for /health;
+seed 1, from the weights cache of bench/weights.py, never the run folder; or the `weights`
+option; params["weights"] records folder, config and sha256 per file), on cuda when ctx.devices has it, else cpu; waits for /health;
 checks its tokens against the engine's direct greedy output; sweeps; stops it. Server logs go to
 DIR/service_server_<mode>.log.
 
@@ -29,12 +30,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -163,15 +162,6 @@ class ServerProcess:
         self.stop()
 
 
-def tiny_weights(folder: Path) -> Path:
-    from engine import drafters, model
-
-    cfg = model.tiny_config()
-    model.save_weights(folder, cfg, model.init_weights(cfg, 0))
-    drafters.init_block_drafter(folder, seed=1)
-    return folder
-
-
 async def _served_ids(url: str, prompts: list, n: int) -> list:
     import aiohttp
 
@@ -258,26 +248,22 @@ def run(ctx) -> dict:
         results += _records("url", url, model, levels, opts, {}, None)
     else:
         device = "cuda" if "cuda" in ctx.devices else "cpu"
-        tmp = None
-        weights = opts["weights"]
-        if not weights:
-            tmp = Path(tempfile.mkdtemp(prefix="kdt-service-"))
-            weights = tiny_weights(tmp)
+        from bench.weights import describe, tiny_weights
+
+        tiny = not opts["weights"]
+        weights = tiny_weights() if tiny else Path(opts["weights"])
+        opts["weights"] = describe(weights)
         max_batch = opts["max_batch"] or max(opts["concurrency"])
-        try:
-            for mode in opts["modes"]:
-                log = Path(ctx.out_dir) / f"service_server_{mode}.log"
-                name = ("--served-model-name", "kdtree-tiny") if tmp is not None else ()
-                with ServerProcess(weights, mode, opts["budget"], device, max_batch,
-                                   max_batch, log, extra=name) as srv:
-                    check = engine_check(srv.url, weights, device, prompts[:VALIDATE_PROMPTS])
-                    model, levels = asyncio.run(sweep(srv.url, prompts, opts, ours=True))
-                results += _records(f"{mode}/{device}", srv.url, model, levels, opts,
-                                    {"mode": mode, "budget": opts["budget"] if mode == "ddtree"
-                                     else None, "device": device}, check)
-        finally:
-            if tmp is not None:
-                shutil.rmtree(tmp, ignore_errors=True)
+        for mode in opts["modes"]:
+            log = Path(ctx.out_dir) / f"service_server_{mode}.log"
+            name = ("--served-model-name", "kdtree-tiny") if tiny else ()
+            with ServerProcess(weights, mode, opts["budget"], device, max_batch,
+                               max_batch, log, extra=name) as srv:
+                check = engine_check(srv.url, weights, device, prompts[:VALIDATE_PROMPTS])
+                model, levels = asyncio.run(sweep(srv.url, prompts, opts, ours=True))
+            results += _records(f"{mode}/{device}", srv.url, model, levels, opts,
+                                {"mode": mode, "budget": opts["budget"] if mode == "ddtree"
+                                 else None, "device": device}, check)
     return {"params": {k: v for k, v in opts.items()} | {"url": url,
                                                         "prompts_source": opts["prompts"] or
                                                         f"seeded({opts['seed']})"},

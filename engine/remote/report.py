@@ -202,7 +202,8 @@ def _meaning(run) -> list:
             continue
         shown.add((dev, bs, budget))
         t_sg = _median(recs, sg, bs, budget) if sg else None
-        weights = Path(str((run["suites"]["e2e"].get("params") or {}).get("weights", "?"))).name
+        w = (run["suites"]["e2e"].get("params") or {}).get("weights", "?")
+        weights = Path(str(w["path"] if isinstance(w, dict) else w)).name  # dict: bench/weights.py
         out.append(f"- Measured decode step (e2e, {dev}, weights `{weights}`, bs = {bs}, DDTree "
                    f"budget {budget}, drafter {r.get('drafter')}): {_us(step)} per target forward. "
                    f"The {nat} tree build at that bs and budget is {_pct(t_nat / step)} of it"
