@@ -139,7 +139,8 @@ def test_python_env_is_public_and_shared_with_serve(repo):
     from engine.remote import plan, serve
 
     lay = Layout(RD, "sm_90")
-    assert plan.python_env(lay) == {"PYTHONPATH": f"{RD}/src", "PYTHONDONTWRITEBYTECODE": "1"}
+    assert plan.python_env(lay) == {"PYTHONPATH": f"{RD}/src", "PYTHONDONTWRITEBYTECODE": "1",
+                                    "KDTREE_CACHE": f"{RD}/cache"}
     bundles = next(s for s in plan_deploy(host(), lay, repo, Options()).steps if s.name == "bundles")
     assert bundles.env == plan.python_env(lay)
     tree = ast.parse(Path(serve.__file__).read_text())

@@ -8,6 +8,7 @@ reading the local checkout (which sources exist, the git state).
 The remote folder (ARCHITECTURE.md), for remote_dir R and the host's cuda_arch A:
 
     R/src/                     the synced tree          R/build/A/libkdtree.so, bundles/
+    R/cache/                   generated inputs (weights), reused across runs (KDTREE_CACHE)
     R/runs/<run-id>/           one run's files          R/.lock
     R/build/A/deploy.json      the source digest of the last good build (a no-change deploy
                                skips the build)
@@ -75,6 +76,11 @@ class Layout:
 
     def run(self, run_id: str) -> str:
         return f"{self.runs}/{run_id}"
+
+    @property
+    def cache(self) -> str:
+        """Inputs the suites generate and reuse (the tiny model's weights: bench/weights.py)."""
+        return f"{self.remote_dir}/cache"
 
 
 @dataclass
@@ -147,9 +153,10 @@ def source_digest(repo_root: Path, files: list[str], build_argv: list[str]) -> s
 def python_env(lay: Layout) -> dict[str, str]:
     """The environment of every Python command run from the synced tree on a host: `lay.src`
     on PYTHONPATH (the synced source is the package; it is never installed), and no bytecode
-    written (a `__pycache__` inside src/ would show up as changes to the next sync).
-    Used by the plans here and by engine/remote/serve.py."""
-    return {"PYTHONPATH": lay.src, "PYTHONDONTWRITEBYTECODE": "1"}
+    written (a `__pycache__` inside src/ would show up as changes to the next sync), and
+    KDTREE_CACHE in the tool's own folder (generated inputs such as weights stay inside
+    remote_dir and out of run folders). Used by the plans here and by engine/remote/serve.py."""
+    return {"PYTHONPATH": lay.src, "PYTHONDONTWRITEBYTECODE": "1", "KDTREE_CACHE": lay.cache}
 
 
 def plan_deploy(host: Host, lay: Layout, repo_root: Path, opts: Options, n_files: int | None = None) -> Plan:
