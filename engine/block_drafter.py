@@ -43,6 +43,12 @@ class DrafterConfig:
     context_size: int = 32  # C: how many of the target's last hidden states are read
     rms_norm_eps: float = 1e-6
     trained_steps: int = 0  # 0 = seeded random weights
+    # sha256 of the target weights the drafter was made for (target_sha256()): load() refuses
+    # the drafter beside other target weights ("" = unbound: not checked; tests' bare configs).
+    target_sha256: str = ""
+    # The last training run (engine.drafter_train.train): data source, steps, seed, sequences,
+    # held-out top-1 accuracy per depth, seconds. None for seeded random weights.
+    training: dict | None = None
 
     @property
     def depth(self) -> int:
@@ -100,6 +106,27 @@ def init_weights(cfg: DrafterConfig, seed: int) -> dict[str, np.ndarray]:
     return out
 
 
+def target_sha256(weights_dir) -> str:
+    """sha256 over the target's files in weights_dir (config.json, model*.safetensors and a
+    shard index), each as its name and content digest in name order; the drafter's binding."""
+    import hashlib
+
+    d = Path(weights_dir)
+    files = sorted(p for p in d.iterdir() if p.is_file() and (
+        p.name == "config.json" or (p.name.startswith("model") and ".safetensors" in p.name)))
+    if not any(p.name.endswith(".safetensors") for p in files):
+        raise FileNotFoundError(f"{d}: no target weights (model*.safetensors) to bind the "
+                                "block drafter to")
+    h = hashlib.sha256()
+    for p in files:
+        fh = hashlib.sha256()
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                fh.update(chunk)
+        h.update(f"{p.name}\0{fh.hexdigest()}\n".encode())
+    return h.hexdigest()
+
+
 def save(weights_dir, cfg: DrafterConfig, weights: dict[str, np.ndarray]) -> tuple[Path, Path]:
     from safetensors.numpy import save_file
 
@@ -131,6 +158,13 @@ def load(weights_dir) -> tuple[DrafterConfig, dict[str, np.ndarray]]:
     extra = sorted(set(weights) - set(shapes))
     if extra:
         raise ValueError(f"{d / WEIGHTS_FILE}: unexpected tensors {extra[:5]}")
+    if cfg.target_sha256:
+        have = target_sha256(d)
+        if have != cfg.target_sha256:
+            raise ValueError(f"{d / CONFIG_FILE}: this block drafter was made for target weights "
+                             f"with sha256 {cfg.target_sha256[:16]}..., but {d} holds target "
+                             f"weights with sha256 {have[:16]}...; refusing it (retrain: python -m "
+                             f"engine.drafters train --weights {d})")
     return cfg, weights
 
 
@@ -145,7 +179,7 @@ def init_block_drafter(weights_dir, seed: int = 1) -> tuple[Path, Path]:
     tcfg, tw = load_weights(weights_dir)
     D = tcfg.hidden_size
     cfg = DrafterConfig(vocab_size=tcfg.vocab_size, target_hidden_size=D, hidden_size=D,
-                        intermediate_size=2 * D)
+                        intermediate_size=2 * D, target_sha256=target_sha256(weights_dir))
     w = init_weights(cfg, seed)
     w["embed.weight"] = tw["model.embed_tokens.weight"].astype(np.float32)
     w["lm_head.weight"] = tw["model.embed_tokens.weight" if tcfg.tie_word_embeddings

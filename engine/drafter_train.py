@@ -1,7 +1,11 @@
 """Brief training of the block drafter on the target's own greedy outputs (torch, CPU or CUDA).
 
-Data: random prompts, the reference target's greedy continuation (engine.model_decode), and the
-target's hidden states at every position (one prefill over the finished sequence). A sample is a
+Data: random prompts, the target's greedy continuation and its hidden states at every position
+(one prefill over the finished sequence), from the native engine (engine.native.Engine: batched
+prompts, on CUDA when training on CUDA and the library has it, else its CPU backend); only when
+libkdtree is missing, from the float64 reference model (engine.model_decode, ~20x slower), and
+the log says so. The drafter's config records the data source, steps, seed, the held-out
+accuracy per depth and the sha256 of the target weights (a load beside other weights fails). A sample is a
 round as the decoder sees it: committed length P (P >= the prompt length, so the root is a greedy
 token), the last C hidden states before P, root = token P, labels = tokens P+1 .. P+L (ignored
 past the end). Loss: cross-entropy per depth, weighted exp(-(d-1)/7) (DFlash's decay: early
@@ -35,15 +39,77 @@ class Sequence:
 
 
 def collect(model: Model, n_seqs: int, new_tokens: int, seed: int) -> list[Sequence]:
-    rng = np.random.default_rng(seed)
+    """Greedy sequences from the float64 reference model (the fallback: slow)."""
     out = []
-    for _ in range(n_seqs):
-        prompt = rng.integers(0, model.cfg.vocab_size, int(rng.integers(4, 25)))
+    for prompt in _prompts(model.cfg.vocab_size, n_seqs, seed):
         gen = generate(model, prompt, new_tokens).tokens
         seq = np.concatenate([prompt, gen])
         _, hidden = model.forward(seq, np.arange(len(seq)), model.new_cache(len(seq)))
         out.append(Sequence(seq, hidden.astype(np.float32), len(prompt)))
     return out
+
+
+def _prompts(vocab: int, n_seqs: int, seed: int) -> list:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, int(rng.integers(4, 25))) for _ in range(n_seqs)]
+
+
+def causal_visibility(n: int, words: int) -> np.ndarray:
+    """uint32 [n, words]: row i has bits 0..i set (a prefill's lower-triangular mask)."""
+    bits = np.tril(np.ones((n, words * 32), bool))
+    return np.packbits(bits, axis=1, bitorder="little").view("<u4").astype(np.uint32)
+
+
+def collect_native(weights_dir, n_seqs: int, new_tokens: int, seed: int, device: str = "cpu",
+                   batch: int = 32) -> list[Sequence]:
+    """collect() on the native engine: `batch` prompts decoded together (AR), then one causal
+    forward over the finished sequences for the final-norm hidden states (not committed, so the
+    slots stay empty)."""
+    from engine.native.engine import Engine
+
+    with Engine(weights_dir, device=device, max_slots=batch, max_seq=24 + new_tokens + 8) as eng:
+        prompts = _prompts(eng.vocab_size, n_seqs, seed)
+        out = []
+        for i in range(0, len(prompts), batch):
+            chunk = prompts[i:i + batch]
+            gen = eng.generate(chunk, new_tokens, mode="ar").tokens
+            seqs = [np.concatenate([p, g]).astype(np.int64) for p, g in zip(chunk, gen)]
+            words = (max(len(s) for s in seqs) + 31) // 32
+            _, hidden = eng.forward(list(range(len(seqs))), seqs,
+                                    [np.arange(len(s)) for s in seqs],
+                                    [causal_visibility(len(s), words) for s in seqs],
+                                    capture=[eng.num_layers + 1])
+            start = 0
+            for p, s in zip(chunk, seqs):
+                out.append(Sequence(s, hidden[start:start + len(s), 0].copy(), len(p)))
+                start += len(s)
+    return out
+
+
+def collect_any(weights_dir, n_seqs: int, new_tokens: int, seed: int, device: str,
+                data: str = "auto", log=None) -> tuple[list[Sequence], str]:
+    """(sequences, source): data "native", "reference" or "auto" (native unless libkdtree is
+    missing). The native engine runs on CUDA when `device` is a CUDA device and the library
+    has the CUDA backend, else on its CPU backend. source: "native-cpu", "native-cuda" or
+    "reference"."""
+    if data not in ("auto", "native", "reference"):
+        raise ValueError(f"drafter training: data = {data!r}, expected auto, native or reference")
+    if data != "reference":
+        try:
+            from engine.native._lib import library
+
+            lib = library()
+        except Exception as e:  # noqa: BLE001 - any failure to find or load the library
+            if data == "native":
+                raise
+            if log:
+                log(f"native library unavailable ({type(e).__name__}: {e}); generating the "
+                    "training data with the float64 reference model instead (much slower)")
+        else:
+            want_cuda = str(device).startswith("cuda")
+            on = "cuda" if want_cuda and lib.has_cuda and lib.cuda_device_count() > 0 else "cpu"
+            return collect_native(weights_dir, n_seqs, new_tokens, seed, on), f"native-{on}"
+    return collect(Model.from_dir(weights_dir), n_seqs, new_tokens, seed), "reference"
 
 
 def make_batch(data: list[Sequence], cfg: BD.DrafterConfig, rng, batch: int):
@@ -82,20 +148,31 @@ def depth_accuracy(net, data, cfg, rng, batches: int = 8, batch: int = 64, devic
 
 
 def train(weights_dir, steps: int = 800, sequences: int = 192, new_tokens: int = 96,
-          batch: int = 64, lr: float = 3e-3, seed: int = 0, device: str = "cpu", ctx_dropout: float = 0.3, log=None) -> dict:
-    """Trains the drafter in weights_dir (from its current weights) and saves it there."""
+          batch: int = 64, lr: float = 3e-3, seed: int = 0, device: str = "cpu",
+          ctx_dropout: float = 0.3, data: str = "auto", log=None) -> dict:
+    """Trains the drafter in weights_dir (from its current weights) and saves it there, its
+    config recording the run (DrafterConfig.training) and the target's sha256."""
     import torch
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    if steps < 1:
+        raise ValueError(f"drafter training: steps = {steps}, need >= 1")
     torch.manual_seed(seed)
-    target = Model.from_dir(weights_dir)
     cfg, weights = BD.load(weights_dir)
     t0 = time.monotonic()
-    data = collect(target, sequences, new_tokens, seed)
-    held_out = collect(target, max(4, sequences // 8), new_tokens, seed + 1)
+    # Held-out sequences come from another prompt seed: accuracy on rounds never trained on.
+    train_data, source = collect_any(weights_dir, sequences, new_tokens, seed, device, data, log)
+    held_out, _ = collect_any(weights_dir, max(4, sequences // 8), new_tokens, seed + 1, device,
+                              source.split("-")[0], log)
+    data_seconds = time.monotonic() - t0
     log(f"collected {sequences} + {len(held_out)} greedy sequences of {new_tokens} tokens "
-        f"in {time.monotonic() - t0:.1f} s")
+        f"({source}) in {data_seconds:.1f} s")
+    data = train_data
     net = BD.make_net(cfg, weights, device)
+    # The same held-out rounds (same rng seed) before and after: the gain is training's.
+    acc_before = depth_accuracy(net.eval(), held_out, cfg, np.random.default_rng(seed + 3),
+                                device=device)
+    net.train()
     opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
@@ -122,12 +199,18 @@ def train(weights_dir, steps: int = 800, sequences: int = 192, new_tokens: int =
         losses.append(float(loss.detach()))
         if step % max(1, steps // 10) == 0 or step == steps - 1:
             log(f"step {step:5d}  loss {np.mean(losses[-50:]):.4f}")
-    acc = depth_accuracy(net, held_out, cfg, np.random.default_rng(seed + 3), device=device)
-    new_cfg = dataclasses.replace(cfg, trained_steps=cfg.trained_steps + steps)
-    paths = BD.save(weights_dir, new_cfg, net.state_numpy())
-    result = {"steps": steps, "train_seconds": time.monotonic() - t1,
-              "first_loss": losses[0], "final_loss": float(np.mean(losses[-50:])),
+    acc = depth_accuracy(net.eval(), held_out, cfg, np.random.default_rng(seed + 3), device=device)
+    record = {"steps": steps, "seed": seed, "sequences": sequences, "new_tokens": new_tokens,
+              "batch": batch, "lr": lr, "ctx_dropout": ctx_dropout, "data_source": source,
+              "device": str(device), "data_seconds": round(data_seconds, 3),
+              "train_seconds": round(time.monotonic() - t1, 3),
+              "first_loss": losses[0] if losses else None,
+              "final_loss": float(np.mean(losses[-50:])) if losses else None,
               "held_out_top1_by_depth": [round(float(a), 4) for a in acc],
-              "saved": [str(p) for p in paths]}
+              "held_out_top1_by_depth_before": [round(float(a), 4) for a in acc_before]}
+    new_cfg = dataclasses.replace(cfg, trained_steps=cfg.trained_steps + steps,
+                                  target_sha256=BD.target_sha256(weights_dir), training=record)
+    paths = BD.save(weights_dir, new_cfg, net.state_numpy())
+    result = dict(record, saved=[str(p) for p in paths])
     log(f"held-out top-1 accuracy by depth: {result['held_out_top1_by_depth']}")
     return result
