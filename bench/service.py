@@ -174,12 +174,20 @@ async def _served_ids(url: str, prompts: list, n: int) -> list:
     return [r["token_ids"] for r in recs]
 
 
-def engine_check(url: str, weights, device: str, prompts: list) -> dict:
+def slot_rows(prompts: list, max_tokens: int, mode: str, budget: int) -> int:
+    """--max-seq for our server: the longest prompt (text: its UTF-8 bytes, the byte tokenizer)
+    + max_tokens + the tree width (budget + 1 for DDTree, 1 for AR), at least the server's 1024.
+    Without it, KDT_SERVICE_OUTPUT_LEN=1024 would make every request a 400."""
+    longest = max(len(p.encode("utf-8")) if isinstance(p, str) else len(p) for p in prompts)
+    return max(1024, longest + max_tokens + (budget + 1 if mode == "ddtree" else 1))
+
+
+def engine_check(url: str, weights, device: str, prompts: list, max_seq: int = 1024) -> dict:
     """Served token ids == Engine.generate(mode='ar') for the same prompts (exact)."""
     from engine.native.engine import Engine
 
     served = asyncio.run(_served_ids(url, prompts, VALIDATE_TOKENS))
-    with Engine(weights, device=device) as eng:
+    with Engine(weights, device=device, max_seq=max_seq) as eng:
         direct = [t.tolist() for t in eng.generate(prompts, VALIDATE_TOKENS, mode="ar").tokens]
     for i, (s, d) in enumerate(zip(served, direct)):
         if s != d:
@@ -254,12 +262,16 @@ def run(ctx) -> dict:
         weights = tiny_weights() if tiny else Path(opts["weights"])
         opts["weights"] = describe(weights)
         max_batch = opts["max_batch"] or max(opts["concurrency"])
+        # A queue as deep as the largest level: a max_batch below it queues, never 429s.
+        max_queue = max(max(opts["concurrency"]), max_batch)
         for mode in opts["modes"]:
             log = Path(ctx.out_dir) / f"service_server_{mode}.log"
-            name = ("--served-model-name", "kdtree-tiny") if tiny else ()
+            rows = slot_rows(prompts, opts["max_tokens"], mode, opts["budget"])
+            extra = (("--served-model-name", "kdtree-tiny") if tiny else ()) + \
+                ("--max-seq", str(rows))
             with ServerProcess(weights, mode, opts["budget"], device, max_batch,
-                               max_batch, log, extra=name) as srv:
-                check = engine_check(srv.url, weights, device, prompts[:VALIDATE_PROMPTS])
+                               max_queue, log, extra=extra) as srv:
+                check = engine_check(srv.url, weights, device, prompts[:VALIDATE_PROMPTS], rows)
                 model, levels = asyncio.run(sweep(srv.url, prompts, opts, ours=True))
             results += _records(f"{mode}/{device}", srv.url, model, levels, opts,
                                 {"mode": mode, "budget": opts["budget"] if mode == "ddtree"

@@ -342,15 +342,16 @@ def test_service_suite_with_its_own_server_and_with_url(ar_server, tmp_path, mon
     same suite measuring the running server through --url."""
     import bench
 
-    args = {"modes": "ar", "concurrency": "1,2", "requests": 3, "max_tokens": 6,
-            "prompt_tokens": 8}
+    # max_batch 1 below the level of 3: the suite's server must queue the excess, not 429 it.
+    args = {"modes": "ar", "concurrency": "1,3", "requests": 3, "max_tokens": 6,
+            "prompt_tokens": 8, "max_batch": 1}
     for url in (None, ar_server.url):
         ctx = bench.Context(out_dir=tmp_path / str(bool(url)), devices=["cpu"],
                             args={**args, "url": url})
         (outcome,) = bench.run_suites(["service"], ctx)
         doc = json.loads(outcome.json_path.read_text())
         assert outcome.status == "ok", doc.get("error") or doc.get("traceback")
-        assert [r["case"]["concurrency"] for r in doc["results"]] == [1, 2]
+        assert [r["case"]["concurrency"] for r in doc["results"]] == [1, 3]
         for r in doc["results"]:
             assert r["backend"] == ("url" if url else "ar/cpu")
             assert ("url" in r["case"]) == bool(url), "our server's free port must not key records"

@@ -303,3 +303,14 @@ def test_batcher_rejects_prompts_beyond_the_context():
     b = Batcher(FakeEngine(max_seq=64), "ddtree", budget=15, max_batch=4, max_queue=4)
     with pytest.raises(ValueError, match="exceeds the context of 64"):
         b.submit(list(range(40)), 10, None)  # 40 + 10 + 16 > 64
+
+
+def test_service_suite_sizes_slots_for_its_requests():
+    """The suite's server gets cache rows for the longest prompt (text in UTF-8 bytes) +
+    max_tokens + the tree width, never fewer than the server's default 1024."""
+    from bench.service import slot_rows
+
+    n = secrets.randbelow(2000) + 1
+    prompts = [[1] * 40, "h\u00e9llo" * 20]  # 120 bytes: the text is the longest
+    assert slot_rows(prompts, n, "ddtree", 63) == max(1024, 120 + n + 64), f"n = {n}"
+    assert slot_rows(prompts, n, "ar", 63) == max(1024, 120 + n + 1), f"n = {n}"
