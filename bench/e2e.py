@@ -6,9 +6,13 @@ the wall-clock time of decoding all prompts once (prefill included; the engine s
 device inside every call, so the host clock is the device time too).
 
 Cases: AR; DDTree at budgets {15, 63, 255} x drafters: the noisy ORACLE at several qualities
-(handed the true greedy continuation, built before timing) and the block drafter stored with the
-weights (`block`). Validation before timing: every DDTree case's tokens must equal the AR tokens
-of the same device, and the AR tokens of every device must equal the CPU's.
+(handed the true greedy continuation, built before timing) and the block drafter: by default
+`block:trained` (trained once per weights digest and training settings, on the run's device, and
+cached beside the weights: bench/weights.trained_drafter_weights; --quick trains less) and
+`block:random` (the seeded untrained one, a cheap floor: tau about 1); with a `weights` option,
+`block`, the drafter stored in that folder as it is. Validation before timing: every DDTree
+case's tokens must equal the AR tokens of the same device, and the AR tokens of every device
+must equal the CPU's.
 
 Derived rates (formula beside each):
   tokens_per_s            = new tokens of all prompts / median(samples)
@@ -19,8 +23,10 @@ Derived rates (formula beside each):
 Options (ctx.args): `weights` (a folder; default: the tiny model with seed 0 and its block
 drafter with seed 1, from the weights cache of bench/weights.py: weights are inputs and never
 land in the run folder), and any key of `grid()` (`prompts`, `new_tokens`, `budgets`,
-`qualities`, `batches`, `reps`, `block`) to override the default grid. params["weights"]
-records the folder, the target's config and the sha256 of every weights file.
+`qualities`, `batches`, `reps`, `block`, `block_random`, `drafter_steps`) to override the
+default grid. params["weights"] records the folder, the target's config and the sha256 of every
+weights file; params["drafters"] each block drafter used (trained or random, steps, data source,
+held-out top-1 accuracy by depth, the target sha256 it is bound to).
 """
 
 from __future__ import annotations
@@ -39,18 +45,36 @@ PROMPT_SEED = 1234  # fixed: runs compare like with like
 def grid(quick: bool) -> dict:
     if quick:
         return {"budgets": [15, 63], "qualities": [0.5, 0.9], "batches": [1], "prompts": 2,
-                "new_tokens": 32, "reps": 2, "block": True}
+                "new_tokens": 32, "reps": 2, "block": True, "block_random": True,
+                "drafter_steps": None}
     return {"budgets": [15, 63, 255], "qualities": [0.3, 0.6, 0.8, 0.95], "batches": [1, 8],
-            "prompts": 8, "new_tokens": 64, "reps": 3, "block": True}
+            "prompts": 8, "new_tokens": 64, "reps": 3, "block": True, "block_random": True,
+            "drafter_steps": None}
 
 
-def _weights(ctx) -> Path:
+def _weights(ctx, g) -> tuple[Path, Path, dict]:
+    """(engine weights folder, the target's folder for params, {case name: drafter folder}).
+
+    With a `weights` option: that folder and its stored drafter ("block"). Else the tiny model
+    from the cache with its trained drafter ("block:trained", the engine's own) and, when
+    g["block_random"], the seeded untrained one ("block:random")."""
     w = ctx.args.get("weights")
     if w:
-        return Path(w)
-    from bench.weights import tiny_weights
+        return Path(w), Path(w), {"block": Path(w)}
+    from bench import weights as bw
 
-    return tiny_weights()
+    base = bw.tiny_weights()
+    if not g["block"]:
+        return base, base, {}
+    settings = dict(bw.DRAFTER_TRAIN_QUICK if ctx.quick else bw.DRAFTER_TRAIN)
+    if g["drafter_steps"]:
+        settings["steps"] = int(g["drafter_steps"])
+    device = "cuda" if "cuda" in ctx.devices else "cpu"
+    trained = bw.trained_drafter_weights(base, settings, device=device)
+    out = {"block:trained": trained}
+    if g["block_random"]:
+        out["block:random"] = base
+    return trained, base, out
 
 
 def _prompts(n: int, vocab: int) -> list:
@@ -84,6 +108,15 @@ def _run_case(eng, batches, new_tokens, mode, budget, drafters, reps):
     return samples, last
 
 
+def _load_drafter(folder, device):
+    """As Engine.block_drafter loads its own: numpy on the CPU, torch on the GPU."""
+    from engine.block_drafter import BlockDrafter
+
+    if device == "cpu":
+        return BlockDrafter.from_dir(folder, backend="numpy")
+    return BlockDrafter.from_dir(folder, backend="torch", device="cuda")
+
+
 def run(ctx) -> dict:
     lib = ctx.require_library("suite e2e")
     from engine.native.engine import Engine
@@ -93,10 +126,12 @@ def run(ctx) -> dict:
         if key in ctx.args and ctx.args[key] is not None:
             g[key] = ctx.args[key]
     n_prompts, new_tokens = int(g["prompts"]), int(g["new_tokens"])
-    weights = _weights(ctx)
-    from bench.weights import describe
+    weights, target, drafter_dirs = _weights(ctx, g)
+    from bench.weights import describe, drafter_record
 
-    params = {"weights": describe(weights), "prompts": n_prompts, "new_tokens": new_tokens,
+    params = {"weights": describe(target), "engine_weights": str(weights),
+              "drafters": {name: drafter_record(d) for name, d in drafter_dirs.items()},
+              "prompts": n_prompts, "new_tokens": new_tokens,
               "prompt_seed": PROMPT_SEED, "budgets": g["budgets"], "oracle_qualities": g["qualities"],
               "batches": g["batches"], "reps": g["reps"], "devices": list(ctx.devices),
               "oracle_depth": 15, "block_drafter": g["block"]}
@@ -125,11 +160,15 @@ def run(ctx) -> dict:
             # whatever the batch size, so batch sizes compare like with like.
             oracles = {q: [eng.oracle_drafters(b, new_tokens, q, seed=PROMPT_SEED + i * bs)
                            for i, b in enumerate(batches)] for q in g["qualities"]}
+            # The engine's own drafter (the one stored with `weights`) is passed as None; another
+            # folder's (block:random) as one loaded object per batch, as the engine loads its own.
+            blocks = {name: None if d == weights else [_load_drafter(d, device)] * len(batches)
+                      for name, d in drafter_dirs.items()}
             for budget in g["budgets"]:
                 for q in g["qualities"]:
                     cases.append(("ddtree", budget, f"oracle:{q}", oracles[q]))
-                if g["block"]:
-                    cases.append(("ddtree", budget, "block", None))
+                for name, dr in blocks.items():
+                    cases.append(("ddtree", budget, name, dr))
             for mode, budget, drafter_name, dr in cases:
                 if mode == "ar":
                     s, out = samples, ar

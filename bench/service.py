@@ -6,7 +6,9 @@ With --url: sweeps the server at URL (any OpenAI-compatible /v1/completions: our
 SGLang's). Without: for each mode (AR, then DDTree) starts our server (`python -m engine.serve`)
 on 127.0.0.1 on a free port with the tiny model (`engine.model` init, seed 0, its block drafter
 seed 1, from the weights cache of bench/weights.py, never the run folder; or the `weights`
-option; params["weights"] records folder, config and sha256 per file), on cuda when ctx.devices has it, else cpu; waits for /health;
+option; params["weights"] records folder, config and sha256 per file; DDTree serves with the
+trained block drafter of bench/weights.trained_drafter_weights, recorded in params["drafter"]:
+trained or random, steps, data source, held-out accuracy), on cuda when ctx.devices has it, else cpu; waits for /health;
 checks its tokens against the engine's direct greedy output; sweeps; stops it. Server logs go to
 DIR/service_server_<mode>.log.
 
@@ -256,11 +258,18 @@ def run(ctx) -> dict:
         results += _records("url", url, model, levels, opts, {}, None)
     else:
         device = "cuda" if "cuda" in ctx.devices else "cpu"
-        from bench.weights import describe, tiny_weights
+        from bench import weights as bw
 
         tiny = not opts["weights"]
-        weights = tiny_weights() if tiny else Path(opts["weights"])
-        opts["weights"] = describe(weights)
+        target = bw.tiny_weights() if tiny else Path(opts["weights"])
+        # The tiny model serves with its trained block drafter (cached beside the weights,
+        # trained once on this device); a `weights` folder with the drafter stored there.
+        weights = target
+        if tiny and "ddtree" in opts["modes"]:
+            weights = bw.trained_drafter_weights(
+                target, bw.DRAFTER_TRAIN_QUICK if ctx.quick else bw.DRAFTER_TRAIN, device=device)
+        opts["weights"] = bw.describe(target)
+        opts["drafter"] = bw.drafter_record(weights) if "ddtree" in opts["modes"] else None
         max_batch = opts["max_batch"] or max(opts["concurrency"])
         # A queue as deep as the largest level: a max_batch below it queues, never 429s.
         max_queue = max(max(opts["concurrency"]), max_batch)
