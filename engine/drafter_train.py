@@ -158,6 +158,23 @@ def train(weights_dir, steps: int = 800, sequences: int = 192, new_tokens: int =
     if steps < 1:
         raise ValueError(f"drafter training: steps = {steps}, need >= 1")
     torch.manual_seed(seed)
+    threads = torch.get_num_threads()
+    if not str(device).startswith("cuda"):
+        # Matrices of a few hundred columns: extra threads only spin on a shared machine (the
+        # CLI's setting since the first trainer; also for in-process callers such as the bench
+        # cache); restored when done.
+        torch.set_num_threads(1)
+    try:
+        return _train(weights_dir, steps, sequences, new_tokens, batch, lr, seed, device,
+                      ctx_dropout, data, log)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(weights_dir, steps, sequences, new_tokens, batch, lr, seed, device, ctx_dropout,
+           data, log) -> dict:
+    import torch
+
     cfg, weights = BD.load(weights_dir)
     t0 = time.monotonic()
     # Held-out sequences come from another prompt seed: accuracy on rounds never trained on.
