@@ -85,3 +85,29 @@ def test_stale_locks_are_broken(transport, monkeypatch):
     third.acquire()
     assert f"process {sleeper.pid} on the host is gone" in said[-1]
     third.release()
+
+
+def test_a_running_runner_keeps_the_lock_when_its_client_is_killed(transport, monkeypatch):
+    """Seen on the H200: `timeout` killed an attached `invoke bench`, its runner went on, and the
+    next bench broke the 'stale' lock and ran beside it. The runner now claims the lock."""
+    from engine.remote.runner import claim_lock, release_lock
+
+    monkeypatch.setattr(locks, "POLL_S", 0.05)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    client = locks.RemoteLock(transport, purpose="bench run", wait_s=1, hold_s=600)
+    monkeypatch.setattr(client, "owner",
+                        lambda host_pid=None: {**locks.RemoteLock.owner(client, host_pid), "client_pid": dead.pid})
+    client.acquire()
+    lock = {"path": str(Path(transport.remote_dir, ".lock")), "token": client.token}
+    claim_lock(lock)  # what the runner does first; here the runner is this (live) process
+    assert owner_of(transport)["host_pid"] > 0
+    second = locks.RemoteLock(transport, purpose="bench run", wait_s=0.3, hold_s=600)
+    with pytest.raises(LockTimeout):
+        second.acquire()  # the client is gone but the run is not: wait
+    claim_lock({**lock, "token": "someone else's"})  # a foreign token changes nothing
+    assert owner_of(transport)["token"] == client.token
+    release_lock(lock)  # the runner, after its manifest
+    second.wait_s = 2
+    with second:
+        assert owner_of(transport)["token"] == second.token

@@ -207,7 +207,7 @@ def _run(kind: str, host: Host, repo_root: Path, opts: Options, progress: Progre
             plan = plan_run(kind, host, lay, run_id, repo_root, opts)
             runner = plan.step("runner")
             request = runner_request(plan, run_id, git, host, lay, opts,
-                                     lock={"path": lock.path, "token": lock.token} if opts.detach else None)
+                                     lock={"path": lock.path, "token": lock.token})
             write_remote_json(t, f"{lay.run(run_id)}/request.json", request)
             env = {**runner.env, provenance.GIT_ENV: json.dumps(git)}
             progress.status(host.name, f"{kind} {run_id}")

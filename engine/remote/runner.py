@@ -10,7 +10,7 @@ The client (engine/remote/pipeline.py) creates RUN_DIR and puts RUN_DIR/request.
      "steps": [{"name", "argv": [...], "cwd", "env": {...}, "timeout": seconds,
                 "junit": "file.xml" or null,           # relative to RUN_DIR; required when set
                 "skip_codes": {"5": "no tests were selected"}}],
-     "lock": {"path", "token"} or null}               # released here after the manifest
+     "lock": {"path", "token"} or null}               # claimed at start, released after the manifest
 
 Each step runs in its own session (process group) with stdout+stderr in RUN_DIR/logs/<name>.log;
 a timeout kills the whole group (TERM, then KILL after KILL_GRACE_S). A step fails when it exits
@@ -183,6 +183,7 @@ class Runner:
         for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
             signal.signal(s, self._on_signal)
         started = utc_now()
+        claim_lock(self.req.get("lock"))
         for name, why in (self.req.get("skipped") or {}).items():  # planned out, e.g. no run_tests.sh yet
             self.status[name] = {"status": "skipped", "reason": why}
         clocks_before = provenance.gpu_clocks()
@@ -239,6 +240,25 @@ def _kill_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def claim_lock(lock: dict | None) -> None:
+    """Write this runner's pid into <remote_dir>/.lock when it still carries this run's token.
+
+    The lock then stays live for as long as the run does: a client killed while it waits for an
+    attached runner (a timeout, a dropped link) leaves the runner going, and without its pid the
+    lock would look stale and a second run could start beside this one, skewing both.
+    """
+    if not lock:
+        return
+    path = Path(lock["path"]) / "owner.json"
+    try:
+        owner = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    if owner.get("token") == lock["token"]:
+        owner["host_pid"] = os.getpid()
+        write_json_atomic(path, owner)
 
 
 def release_lock(lock: dict | None) -> None:
