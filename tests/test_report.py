@@ -149,7 +149,7 @@ def test_report_reads_only_complete_runs_and_counts_the_skipped(tmp_path, rng):
                                              "20260102T000000Z-bbbbbbb-test",
                                              "20260103T000000Z-ccccccc-bench"]
     page = report.write_report(host, tmp_path / "docs").read_text()
-    assert "3 folder(s) skipped" in page and "ccccccc" not in page.split("## Newest run")[1]
+    assert "3 folder(s) skipped" in page and "ccccccc" not in page.split("## Runs shown")[1]
     assert "no final manifest.json" in page
     (host / "20260101T000000Z-aaaaaaa-bench" / "manifest.json").unlink()
     with pytest.raises(ValueError, match="no final manifest.json"):

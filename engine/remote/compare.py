@@ -271,6 +271,7 @@ class Comparison:
     rows: list = field(default_factory=list)
     only_a: list = field(default_factory=list)
     only_b: list = field(default_factory=list)
+    warnings: list = field(default_factory=list)
 
     @property
     def regressions(self) -> list:
@@ -288,10 +289,12 @@ class Comparison:
             return f"{head}: refused: {self.refused}\n"
         from bench import format_table
 
+        warn = [f"warning: {w}" for w in self.warnings]
+
         rows = [[r.suite, r.key, r.median_a * 1e6, r.median_b * 1e6, f"{100 * r.change:+.1f}%",
                  f"[{100 * r.ci[0]:+.1f}, {100 * r.ci[1]:+.1f}]%", r.p_value,
                  r.verdict + (" REGRESSION" if r.regression else "")] for r in self.rows]
-        text = [head + f" (threshold {100 * self.threshold:.1f}%, alpha {self.alpha})",
+        text = [head + f" (threshold {100 * self.threshold:.1f}%, alpha {self.alpha})"] + warn + [
                 format_table(["suite", "benchmark", "A us", "B us", "change", "95% CI", "p",
                               "verdict"], rows)]
         counts = {v: sum(r.verdict == v for r in self.rows)
@@ -322,6 +325,67 @@ def compare_runs(run_a_dir, run_b_dir, threshold: float = 0.05, alpha: float = 0
     cmp.refused = _refusal(a, b)
     if cmp.refused:
         return cmp
+    for rid, others in overlapped_runs(Path(run_a_dir).parent, [Path(run_a_dir), Path(run_b_dir)]).items():
+        cmp.warnings.append(
+            f"run {rid} overlapped in time on the same machine (same boot_id) with "
+            + ", ".join(f"{o} ({w})" for o, w in others)
+            + "; its timings carry the other run's load, so a difference may be load, not code")
+    return _compare_records(cmp, a, b)
+
+
+def _parse_utc(s):
+    from datetime import datetime, timezone
+
+    try:
+        return datetime.strptime(str(s), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+    except ValueError:
+        return None
+
+
+def run_window(manifest) -> tuple | None:
+    """(boot_id, started, finished) of a run's manifest, or None when a field is missing."""
+    m = manifest or {}
+    boot = (m.get("host_facts") or {}).get("boot_id")
+    t0, t1 = _parse_utc(m.get("started")), _parse_utc(m.get("finished"))
+    if not boot or t0 is None or t1 is None:
+        return None
+    return boot, t0, t1
+
+
+def find_overlaps(manifests: dict) -> dict:
+    """{run id: [(other run id, "HH:MM:SS..HH:MM:SS UTC")]} for runs whose started..finished
+    windows intersect another run's on the same machine boot (host_facts.boot_id): each
+    measured the other's load. manifests: {run id: manifest dict}."""
+    wins = {rid: w for rid, m in manifests.items() if (w := run_window(m))}
+    out = {}
+    for a, (ba, a0, a1) in sorted(wins.items()):
+        for b, (bb, b0, b1) in sorted(wins.items()):
+            if a == b or ba != bb:
+                continue
+            lo, hi = max(a0, b0), min(a1, b1)
+            if lo < hi:
+                out.setdefault(a, []).append(
+                    (b, f"both running {lo:%H:%M:%S}..{hi:%H:%M:%S} UTC, {(hi - lo).total_seconds():.0f} s"))
+    return out
+
+
+def overlapped_runs(host_dir, runs) -> dict:
+    """find_overlaps over every run folder's manifest under host_dir (and the given run folders,
+    wherever they are), restricted to the given runs: {run name: [(other, why)]}."""
+    manifests = {}
+    dirs = [p for p in Path(host_dir).iterdir() if p.is_dir()] if Path(host_dir).is_dir() else []
+    for d in dirs + [Path(r) for r in runs]:
+        m = d / "manifest.json"
+        if m.is_file() and not d.name.startswith("."):
+            try:
+                manifests[d.name] = json.loads(m.read_text())
+            except json.JSONDecodeError:
+                continue  # compare/_load_run reports the broken manifest of the runs compared
+    names = {Path(r).name for r in runs}
+    return {k: v for k, v in find_overlaps(manifests).items() if k in names}
+
+
+def _compare_records(cmp, a, b):
     for suite in sorted(set(a["suites"]) | set(b["suites"])):
         ra = _records(a["suites"].get(suite, {}))
         rb = _records(b["suites"].get(suite, {}))
@@ -335,14 +399,14 @@ def compare_runs(run_a_dir, run_b_dir, threshold: float = 0.05, alpha: float = 0
             _, p = mann_whitney_u(sa, sb)
             seed = int.from_bytes(f"{suite}|{key}".encode()[-8:].rjust(8, b"\0"), "little") % 2**32
             ci = _bootstrap_change(sa, sb, seed)
-            if p >= alpha or mb == ma:
+            if p >= cmp.alpha or mb == ma:
                 verdict = "no significant change"
             else:
                 verdict = "slower" if mb > ma else "faster"
             # A regression must clear the threshold at the low end of its interval: between
             # runs the machine's state drifts more than the samples inside one run show.
             cmp.rows.append(Row(suite, key, ma, mb, change, ci, p, sa.size, sb.size, verdict,
-                                verdict == "slower" and ci[0] > threshold))
+                                verdict == "slower" and ci[0] > cmp.threshold))
     return cmp
 
 

@@ -1,0 +1,141 @@
+"""The PNG plots of docs/BENCHMARKS_<host>.md (engine/remote/report.py): tree-build latency
+against batch and budget, its speedup over the SGLang-style path, verify attention against
+prefix, e2e speedup over AR against budget per drafter, service tokens/s against concurrency,
+and the headline speedups across runs. `view` is report_meaning's {"suites", "from"}. PNGs carry
+no timestamp, so regenerating gives the same bytes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.remote.report_meaning import (e2e_device, e2e_drafters, e2e_find, headline, median,
+                                          sglang_backend, timed, tree_records)
+
+
+def plots(view, runs, docs_dir: Path, host: str) -> list:
+    """Write the PNGs beside the page; returns their paths (in page order)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+
+    def save(fig, tag):
+        p = docs_dir / f"BENCHMARKS_{host}_{tag}.png"
+        fig.tight_layout()
+        fig.savefig(p, dpi=90, metadata={"Software": None})
+        plt.close(fig)
+        written.append(p)
+
+    recs = tree_records(view)
+    backends = sorted({r["backend"] for r in recs})
+    budgets = sorted({r["case"]["budget"] for r in recs})
+    batches = sorted({r["case"]["bs"] for r in recs})
+    if recs:
+        fig, axes = plt.subplots(1, len(budgets), figsize=(4 * len(budgets), 3.4), squeeze=False)
+        for ax, budget in zip(axes[0], budgets):
+            for be in backends:
+                pts = [(bs, median(recs, be, bs, budget)) for bs in batches]
+                pts = [(x, y * 1e6) for x, y in pts if y]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=be)
+            ax.set(xscale="log", yscale="log", xlabel="batch size", title=f"budget {budget}")
+        axes[0][0].set_ylabel("tree build, median us")
+        axes[0][0].legend(fontsize=7)
+        save(fig, "tree_vs_batch")
+        fig, axes = plt.subplots(1, len(batches), figsize=(4 * len(batches), 3.4), squeeze=False)
+        for ax, bs in zip(axes[0], batches):
+            for be in backends:
+                pts = [(b, median(recs, be, bs, b)) for b in budgets]
+                pts = [(x, y * 1e6) for x, y in pts if y]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=be)
+            ax.set(xscale="log", yscale="log", xlabel="budget (nodes)", title=f"bs {bs}")
+        axes[0][0].set_ylabel("tree build, median us")
+        axes[0][0].legend(fontsize=7)
+        save(fig, "tree_vs_budget")
+        sg = sglang_backend(recs)
+        if sg:
+            fig, ax = plt.subplots(figsize=(5.5, 3.6))
+            for be in (b for b in backends if b.startswith("native")):
+                for budget in budgets:
+                    pts = [(bs, median(recs, sg, bs, budget), median(recs, be, bs, budget)) for bs in batches]
+                    pts = [(x, a / b) for x, a, b in pts if a and b]
+                    if pts:
+                        ax.plot(*zip(*pts), marker="o", label=f"{be}, budget {budget}")
+            ax.axhline(1.0, color="gray", lw=0.8)
+            ax.set(xscale="log", yscale="log", xlabel="batch size",
+                   ylabel=f"speedup over {sg} (x)", title="tree build speedup")
+            ax.legend(fontsize=7)
+            save(fig, "speedup")
+    att = list(timed(view["suites"].get("kernels"), "verify_attention"))
+    if att:
+        fig, ax = plt.subplots(figsize=(6, 3.8))
+        keys = sorted({(r["backend"], r["case"]["dtype"], r["case"]["bs"], r["case"]["tree"]) for r in att})
+        for be, dt, bs, tree in keys:
+            pts = sorted((r["case"]["prefix"], r["summary"]["median"] * 1e6) for r in att
+                         if (r["backend"], r["case"]["dtype"], r["case"]["bs"], r["case"]["tree"]) == (be, dt, bs, tree))
+            ax.plot(*zip(*pts), marker=".", label=f"{be} {dt} bs{bs} T{tree}")
+        ax.set(xscale="log", yscale="log", xlabel="prefix length", ylabel="verify attention, median us",
+               title="verify attention (one layer)")
+        ax.legend(fontsize=5, ncol=2)
+        save(fig, "attention")
+    _e2e_plot(view, plt, save)
+    _service_plot(view, plt, save)
+    hist = [(i, headline(r)) for i, r in enumerate(runs)]
+    if sum(1 for _, h in hist if h) >= 2:
+        fig, ax = plt.subplots(figsize=(6, 3.4))
+        for key in sorted({k for _, h in hist for k in h}):
+            pts = [(i, h[key]) for i, h in hist if key in h]
+            ax.plot(*zip(*pts), marker="o", label=f"bs {key[0]}, budget {key[1]}")
+        ax.set_xticks(range(len(runs)), [r["id"][:16] for r in runs], rotation=30, fontsize=6)
+        ax.set(yscale="log", ylabel="speedup over SGLang path (x)", title="headline speedups by run")
+        ax.legend(fontsize=7)
+        save(fig, "history")
+    return written
+
+
+def _e2e_plot(view, plt, save):
+    recs = list(timed(view["suites"].get("e2e")))
+    dev = e2e_device(view)
+    if not recs or not dev:
+        return
+    batches = sorted({r["batch"] for r in recs if r.get("backend") == dev})
+    budgets = sorted({r.get("budget") for r in recs if r.get("mode") == "ddtree"})
+    drafters = e2e_drafters(recs) + [d for d in ("block:random",) if any(r.get("drafter") == d for r in recs)]
+    fig, axes = plt.subplots(1, len(batches), figsize=(4.5 * len(batches), 3.6), squeeze=False)
+    drawn = 0
+    for ax, b in zip(axes[0], batches):
+        for dr in drafters:
+            pts = [(g, e2e_find(recs, dev, b, "ddtree", g, dr)) for g in budgets]
+            pts = [(g, r["rates"]["speedup_vs_ar"]) for g, r in pts
+                   if r and isinstance((r.get("rates") or {}).get("speedup_vs_ar"), (int, float))]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=dr)
+                drawn += 1
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set(xscale="log", yscale="log", xlabel="budget (nodes)", title=f"e2e {dev}, bs {b}")
+        ax.set_xticks(budgets, [str(g) for g in budgets])
+    if not drawn:  # no record carries speedup_vs_ar (an older e2e JSON): no empty plot
+        plt.close(fig)
+        return
+    axes[0][0].set_ylabel("speedup over AR (x, wall clock)")
+    axes[0][0].legend(fontsize=7)
+    save(fig, "e2e")
+
+
+def _service_plot(view, plt, save):
+    recs = list(timed(view["suites"].get("service")))
+    if not recs:
+        return
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    for mode in sorted({r["case"].get("mode") for r in recs}, key=str):
+        pts = sorted((r["case"]["concurrency"], r["rates"]["aggregate_tokens_per_s"]["value"])
+                     for r in recs if r["case"].get("mode") == mode)
+        ax.plot(*zip(*pts), marker="o", label=str(mode))
+    ax.set(xscale="log", xlabel="concurrent requests", ylabel="aggregate tokens/s",
+           title="service: throughput")
+    ax.legend(fontsize=7)
+    save(fig, "service")
