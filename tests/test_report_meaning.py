@@ -1,0 +1,112 @@
+"""engine.remote.report_meaning: the figures of "What this means" (CPU backend vs CUDA kernel,
+the Kimi-shape attention table, e2e and service tables) recomputed here from random records."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.remote import report_meaning as rm
+
+
+@pytest.fixture
+def rng():
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    print(f"seed {seed}")
+    return np.random.default_rng(seed)
+
+
+def _tree(rng):
+    recs, med = [], {}
+    for be in ("native-cuda", "native-cpu", "sglang-cuda"):
+        for bs in (1, 64):
+            for budget in (15, 255):
+                m = float(rng.uniform(1e-6, 1e-3))
+                med[(be, bs, budget)] = m
+                recs.append({"bench": "tree_build", "backend": be, "case": {"bs": bs, "budget": budget},
+                             "summary": {"median": m}})
+    return recs, med
+
+
+def _rates(rng):
+    return {k: {"value": float(rng.uniform(0.001, 0.5)), "formula": "x (bfloat16)"}
+            for k in ("GB_per_s", "TFLOP_per_s", "frac_copy_ceiling", "frac_matmul_ceiling")}
+
+
+def _view(rng):
+    tree, med = _tree(rng)
+    att = [{"bench": "verify_attention", "backend": "cuda", "summary": {"median": float(rng.uniform(1e-5, 1e-2))},
+            "case": {"bs": bs, "prefix": p, "tree": 64, "dtype": dt}, "rates": _rates(rng)}
+           for dt in ("float32", "bfloat16") for bs in (1, 64) for p in (4096, 32768)]
+    e2e = []
+    for b in (1, 8):
+        e2e.append({"backend": "cuda", "batch": b, "mode": "ar", "budget": 0, "drafter": "-",
+                    "summary": {"median": 1.0}, "rates": {"tokens_per_s": 100.0, "target_forwards_per_token": 1.0}})
+        for budget in (15, 255):
+            for dr in ("oracle:0.3", "oracle:0.95", "block:trained", "block:random"):
+                e2e.append({"backend": "cuda", "batch": b, "mode": "ddtree", "budget": budget, "drafter": dr,
+                            "summary": {"median": 1.0},
+                            "rates": {k: float(rng.uniform(0.1, 5)) for k in (
+                                "tokens_per_s", "target_forwards_per_token", "mean_accept_length", "speedup_vs_ar")}})
+    svc = [{"case": {"mode": m, "concurrency": c}, "summary": {"median": 0.1}, "errors": 0,
+            "ttft_s": {"p50": float(rng.uniform(1e-3, 1e-2)), "p99": float(rng.uniform(1e-2, 1e-1))},
+            "rates": {"aggregate_tokens_per_s": {"value": float(rng.uniform(100, 9000))}}}
+           for m in ("ar", "ddtree") for c in (1, 8)]
+    suites = {"tree_build": {"results": tree}, "kernels": {"results": att},
+              "e2e": {"results": e2e, "params": {"weights": "/w/tiny"}},
+              "service": {"results": svc, "params": {"requests": 8, "max_tokens": 32, "budget": 63}}}
+    return {"suites": suites, "from": {k: f"run-{k}" for k in suites}}, med, att, e2e, svc
+
+
+def test_meaning_figures(rng):
+    view, med, att, e2e, svc = _view(rng)
+    text = "\n".join(rm.meaning(view))
+    # speedups over the SGLang-style path for both native backends
+    for be in ("native-cuda", "native-cpu"):
+        for bs in (1, 64):
+            for budget in (15, 255):
+                want = med[("sglang-cuda", bs, budget)] / med[(be, bs, budget)]
+                assert f"{be} {rm.us(med[(be, bs, budget)])} vs sglang-cuda" in text
+                assert f"**{want:.1f}x** faster" in text, (be, bs, budget)
+    # CPU backend vs CUDA kernel: the count of cases where the CPU backend is faster
+    n_cpu = sum(med[("native-cuda", bs, b)] > med[("native-cpu", bs, b)] for bs in (1, 64) for b in (15, 255))
+    if n_cpu:
+        assert f"**the CPU backend is faster at {n_cpu}**" in text
+    else:
+        assert "the CPU backend is faster at none" in text
+    # the attention table: one row per (dtype, bs, prefix), latency and both fractions
+    for r in att:
+        c, rt = r["case"], r["rates"]
+        row = (f"| {c['dtype']} | {c['bs']} | {c['prefix']} | 64 | {rm.us(r['summary']['median'])} | "
+               f"{rt['GB_per_s']['value']:.1f} | {rm.pct(rt['frac_copy_ceiling']['value'])} | ")
+        assert row in text, row
+        assert f"{rm.pct(rt['frac_matmul_ceiling']['value'])} (bfloat16) |" in text
+    # e2e: each (budget, drafter) row carries both batches' tau, fwd/tok and speedup; no random
+    for budget in (15, 255):
+        for dr in ("oracle:0.3", "oracle:0.95", "block:trained"):
+            cells = []
+            for b in (1, 8):
+                r = next(x for x in e2e if (x["batch"], x["budget"], x["drafter"], x["mode"]) == (b, budget, dr, "ddtree"))
+                sp = r["rates"]["speedup_vs_ar"]
+                cells += [f"{r['rates']['mean_accept_length']:.2f}", f"{r['rates']['target_forwards_per_token']:.3f}",
+                          f"**{sp:.2f}**" if sp > 1 else f"{sp:.2f}"]
+            assert f"| {budget} | {dr} | " + " | ".join(cells) + " |" in text
+    assert "block:random |" not in text
+    # the tree build's share of a DDTree round: batch / (fwd/tok x tok/s)
+    r = next(x for x in e2e if (x["batch"], x["budget"], x["drafter"], x["mode"]) == (1, 15, "block:trained", "ddtree"))
+    step = 1 / (r["rates"]["target_forwards_per_token"] * r["rates"]["tokens_per_s"])
+    assert f"{rm.us(step)} per target forward" in text and f"is {rm.pct(med[('native-cuda', 1, 15)] / step)} of it" in text
+    # service: tok/s, DDTree over AR at the same concurrency, TTFT p50/p99
+    by = {(s["case"]["mode"], s["case"]["concurrency"]): s for s in svc}
+    for (m, c), s in by.items():
+        tps = s["rates"]["aggregate_tokens_per_s"]["value"]
+        rel = f"{tps / by[('ar', c)]['rates']['aggregate_tokens_per_s']['value']:.2f}x" if m == "ddtree" else "-"
+        assert (f"| {m} | {c} | {tps:.0f} | {rel} | {rm.us(s['ttft_s']['p50'])} | "
+                f"{rm.us(s['ttft_s']['p99'])} | 0 |") in text
+    for k in view["from"].values():
+        assert f"run `{k}`" in text  # every figure says which run it comes from
+
+
+def test_meaning_of_nothing_says_so():
+    assert rm.meaning({"suites": {}, "from": {}}) == [
+        "- These runs have no tree-build, attention, e2e or service results to interpret."]
