@@ -90,7 +90,9 @@ def plots(view, runs, docs_dir: Path, host: str) -> list:
         for key in sorted({k for _, h in hist for k in h}):
             pts = [(i, h[key]) for i, h in hist if key in h]
             ax.plot(*zip(*pts), marker="o", label=f"bs {key[0]}, budget {key[1]}")
-        ax.set_xticks(range(len(runs)), [r["id"][:16] for r in runs], rotation=30, fontsize=6)
+        ov = set(view.get("overlapped") or ())  # runs that ran beside another: marked
+        ax.set_xticks(range(len(runs)), [r["id"][:16] + (" (overlap)" if r["id"] in ov else "") for r in runs],
+                      rotation=30, fontsize=6)
         ax.set(yscale="log", ylabel="speedup over SGLang path (x)", title="headline speedups by run")
         ax.legend(fontsize=7)
         save(fig, "history")
@@ -98,6 +100,8 @@ def plots(view, runs, docs_dir: Path, host: str) -> list:
 
 
 def _e2e_plot(view, plt, save):
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
     recs = list(timed(view["suites"].get("e2e")))
     dev = e2e_device(view)
     if not recs or not dev:
@@ -118,6 +122,9 @@ def _e2e_plot(view, plt, save):
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set(xscale="log", yscale="log", xlabel="budget (nodes)", title=f"e2e {dev}, bs {b}")
         ax.set_xticks(budgets, [str(g) for g in budgets])
+        ax.xaxis.set_minor_formatter(NullFormatter())  # log-axis minor labels collide
+        ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     if not drawn:  # no record carries speedup_vs_ar (an older e2e JSON): no empty plot
         plt.close(fig)
         return
@@ -127,6 +134,8 @@ def _e2e_plot(view, plt, save):
 
 
 def _service_plot(view, plt, save):
+    from matplotlib.ticker import NullFormatter
+
     recs = list(timed(view["suites"].get("service")))
     if not recs:
         return
@@ -135,7 +144,10 @@ def _service_plot(view, plt, save):
         pts = sorted((r["case"]["concurrency"], r["rates"]["aggregate_tokens_per_s"]["value"])
                      for r in recs if r["case"].get("mode") == mode)
         ax.plot(*zip(*pts), marker="o", label=str(mode))
+    levels = sorted({r["case"]["concurrency"] for r in recs})
     ax.set(xscale="log", xlabel="concurrent requests", ylabel="aggregate tokens/s",
            title="service: throughput")
+    ax.set_xticks(levels, [str(c) for c in levels])
+    ax.xaxis.set_minor_formatter(NullFormatter())
     ax.legend(fontsize=7)
     save(fig, "service")
