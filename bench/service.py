@@ -15,7 +15,8 @@ DIR/service_server_<mode>.log.
 The sweep (bench/service_load.py has the measurement and the formulas): one warm-up request,
 then per concurrency level a fixed number of streamed greedy requests with max_tokens each,
 prompts from a seeded generator (fixed seed: runs compare like with like) or a prompts file.
-One record per (server, level) with the raw per-request records, `samples` = request latencies
+One record per (server, level) with the raw per-request records (stored compact: integer microseconds and gaps, see
+bench/service_load.py; expand_request reads old and new forms), `samples` = request latencies
 (s), aggregate and per-request tokens/s, TTFT / ITL / TPOT p50, p90, p99, request throughput and
 errors. Validation (`ok`) fails when a token count differs from max_tokens or, for our server,
 when served tokens differ from Engine.generate's AR tokens for the same prompts.
@@ -42,8 +43,8 @@ import urllib.request
 from pathlib import Path
 
 from bench import REPO_ROOT, format_table
-from bench.service_load import (get_model, load_prompts, request_once, run_level,
-                                seeded_prompts, summarize_level)
+from bench.service_load import (REQUESTS_FORMAT, compact_request, get_model, load_prompts,
+                                request_once, run_level, seeded_prompts, summarize_level)
 from bench.timing import summarize
 
 NAME = "service"
@@ -238,7 +239,9 @@ def _records(backend: str, url: str, model: str, levels, opts: dict, extra_case:
             "validation": {"ok": ok, "token_check": tc, "engine_check": check,
                            **({} if ok else {"error": (tc["mismatches"][:1] or
                                                        [check and check.get("error")])[0]})},
-            "requests": records,
+            # raw records, compact (bench/service_load.py: expand_request reads both forms)
+            "requests_format": REQUESTS_FORMAT,
+            "requests": [compact_request(r) for r in records],
         })
     return out
 

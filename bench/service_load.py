@@ -23,6 +23,14 @@ Per level (`run_level`): `concurrency` workers take requests from one shared lis
                              seconds after the previous one counts k times g / k (so DDTree's
                              multi-token chunks and one-token chunks are comparable); p50/90/99
   tpot                     = (latency - ttft) / (tokens - 1), per request (p50, p90, p99)
+
+Stored form of the raw per-request records (`compact_request`, format REQUESTS_FORMAT): times
+as integer microseconds, chunk arrivals as gaps (the first gap from the send is the TTFT),
+chunk token counts as one int when every chunk carried the same count. Absolute times are
+rounded to the microsecond before taking gaps, so `expand_request` gives every time back to
+within 0.5 us (no drift over a long stream); it also reads the older form (float seconds,
+`chunk_times`) unchanged. The summaries are computed from the full-precision records before
+they are stored.
 """
 
 from __future__ import annotations
@@ -35,6 +43,42 @@ from pathlib import Path
 import numpy as np
 
 PERCENTILES = (50, 90, 99)
+REQUESTS_FORMAT = "us-gaps-1"  # see the module docstring; the older form has no such tag
+
+
+def _us(t):
+    return None if t is None else int(round(t * 1e6))
+
+
+def compact_request(rec: dict) -> dict:
+    """The stored form of one raw request record (module docstring)."""
+    out = {k: rec[k] for k in ("index", "status", "error", "prompt_tokens", "tokens",
+                               "usage_tokens", "ids_seen", "token_ids") if k in rec}
+    out["start_us"] = _us(rec.get("start"))
+    out["latency_us"] = _us(rec.get("latency"))
+    abs_us = [_us(t) for t in rec.get("chunk_times") or []]
+    out["chunk_gaps_us"] = [b - a for a, b in zip([0] + abs_us[:-1], abs_us)]
+    ks = rec.get("chunk_tokens") or []
+    out["chunk_tokens"] = ks[0] if ks and all(k == ks[0] for k in ks) else list(ks)
+    return out
+
+
+def expand_request(rec: dict) -> dict:
+    """A raw request record (seconds, chunk_times, chunk_tokens list) from either stored form."""
+    if "chunk_gaps_us" not in rec:
+        return rec  # the older form: already raw
+    out = {k: v for k, v in rec.items() if k not in ("start_us", "latency_us", "chunk_gaps_us")}
+    times, t = [], 0
+    for g in rec["chunk_gaps_us"]:
+        t += g
+        times.append(t * 1e-6)
+    ks = rec["chunk_tokens"]
+    out["chunk_times"] = times
+    out["chunk_tokens"] = [ks] * len(times) if isinstance(ks, int) else list(ks)
+    out["ttft"] = times[0] if times else None
+    out["start"] = None if rec.get("start_us") is None else rec["start_us"] * 1e-6
+    out["latency"] = None if rec.get("latency_us") is None else rec["latency_us"] * 1e-6
+    return out
 
 
 def seeded_prompts(n: int, length: int, seed: int, vocab: int = 256) -> list:
