@@ -25,8 +25,9 @@ Per level (`run_level`): `concurrency` workers take requests from one shared lis
   tpot                     = (latency - ttft) / (tokens - 1), per request (p50, p90, p99)
 
 Stored form of the raw per-request records (`compact_request`, format REQUESTS_FORMAT): times
-as integer microseconds, chunk arrivals as gaps (the first gap from the send is the TTFT),
-chunk token counts as one int when every chunk carried the same count. Absolute times are
+as integer microseconds, chunk arrivals as gaps (the first gap from the send is the TTFT) in one
+space-separated string, chunk token counts as one int when every chunk carried the same count
+(else a string like the gaps). Absolute times are
 rounded to the microsecond before taking gaps, so `expand_request` gives every time back to
 within 0.5 us (no drift over a long stream); it also reads the older form (float seconds,
 `chunk_times`) unchanged. The summaries are computed from the full-precision records before
@@ -43,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 PERCENTILES = (50, 90, 99)
-REQUESTS_FORMAT = "us-gaps-1"  # see the module docstring; the older form has no such tag
+REQUESTS_FORMAT = "us-gaps-2"  # see the module docstring; the older form has no such tag
 
 
 def _us(t):
@@ -57,9 +58,11 @@ def compact_request(rec: dict) -> dict:
     out["start_us"] = _us(rec.get("start"))
     out["latency_us"] = _us(rec.get("latency"))
     abs_us = [_us(t) for t in rec.get("chunk_times") or []]
-    out["chunk_gaps_us"] = [b - a for a, b in zip([0] + abs_us[:-1], abs_us)]
+    # one string of integers, not a list: the suite JSON is written with indent=1, one line
+    # per list element, which would triple the size
+    out["chunk_gaps_us"] = " ".join(str(b - a) for a, b in zip([0] + abs_us[:-1], abs_us))
     ks = rec.get("chunk_tokens") or []
-    out["chunk_tokens"] = ks[0] if ks and all(k == ks[0] for k in ks) else list(ks)
+    out["chunk_tokens"] = ks[0] if ks and all(k == ks[0] for k in ks) else " ".join(map(str, ks))
     return out
 
 
@@ -69,12 +72,12 @@ def expand_request(rec: dict) -> dict:
         return rec  # the older form: already raw
     out = {k: v for k, v in rec.items() if k not in ("start_us", "latency_us", "chunk_gaps_us")}
     times, t = [], 0
-    for g in rec["chunk_gaps_us"]:
-        t += g
+    for g in rec["chunk_gaps_us"].split():
+        t += int(g)
         times.append(t * 1e-6)
     ks = rec["chunk_tokens"]
     out["chunk_times"] = times
-    out["chunk_tokens"] = [ks] * len(times) if isinstance(ks, int) else list(ks)
+    out["chunk_tokens"] = [ks] * len(times) if isinstance(ks, int) else [int(k) for k in ks.split()]
     out["ttft"] = times[0] if times else None
     out["start"] = None if rec.get("start_us") is None else rec["start_us"] * 1e-6
     out["latency"] = None if rec.get("latency_us") is None else rec["latency_us"] * 1e-6
