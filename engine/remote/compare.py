@@ -143,6 +143,22 @@ def record_key(rec: dict) -> str:
     return " ".join(parts)
 
 
+def read_suites(run_dir: Path, who: str) -> dict:
+    """{suite name: its JSON document} for the benchmark suite files in a run folder (any
+    `*.json` with `suite` and a `results` list; manifest.json and other JSON are not suites)."""
+    suites = {}
+    for p in sorted(Path(run_dir).glob("*.json")):
+        if p.name == "manifest.json":
+            continue
+        try:
+            doc = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{who}: {p}: not valid JSON ({e})") from None
+        if isinstance(doc, dict) and "suite" in doc and isinstance(doc.get("results"), list):
+            suites[doc["suite"]] = doc
+    return suites
+
+
 def _load_run(run_dir: Path) -> dict:
     """{"manifest": dict|None, "suites": {name: doc}} of one run folder."""
     run_dir = Path(run_dir)
@@ -152,16 +168,7 @@ def _load_run(run_dir: Path) -> dict:
     mpath = run_dir / "manifest.json"
     if mpath.is_file():
         manifest = json.loads(mpath.read_text())
-    suites = {}
-    for p in sorted(run_dir.glob("*.json")):
-        if p.name == "manifest.json":
-            continue
-        try:
-            doc = json.loads(p.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"compare: {p}: not valid JSON ({e})") from None
-        if isinstance(doc, dict) and "suite" in doc and isinstance(doc.get("results"), list):
-            suites[doc["suite"]] = doc
+    suites = read_suites(run_dir, "compare")
     if not suites:
         raise ValueError(f"compare: {run_dir} holds no benchmark suite JSON (is it a bench run?)")
     return {"dir": run_dir, "manifest": manifest, "suites": suites}

@@ -23,7 +23,7 @@ from pathlib import Path
 
 __all__ = ["write_report", "load_runs", "headline", "choose_suites"]
 
-from engine.remote.compare import _parse_utc, find_overlaps, run_window
+from engine.remote.compare import _parse_utc, find_overlaps, read_suites, run_window
 from engine.remote.report_figures import plots as _plots
 from engine.remote.report_meaning import KIMI_LAYERS, ceilings, headline, meaning, pct, timed, us
 
@@ -47,16 +47,7 @@ def load_runs(host_dir) -> tuple:
         if not m.is_file():
             skipped.append((d.name, "no final manifest.json (incomplete)"))
             continue
-        suites = {}
-        for f in sorted(d.glob("*.json")):
-            if f.name == "manifest.json":
-                continue
-            try:
-                doc = json.loads(f.read_text())
-            except json.JSONDecodeError as e:
-                raise ValueError(f"report: {f}: not valid JSON ({e})") from None
-            if isinstance(doc, dict) and "suite" in doc and isinstance(doc.get("results"), list):
-                suites[doc["suite"]] = doc
+        suites = read_suites(d, "report")
         if not suites:
             skipped.append((d.name, "no benchmark suite JSON (a test run?)"))
             continue
