@@ -12,13 +12,6 @@ from hypothesis import strategies as st
 from bench import inputs, validate
 
 
-@pytest.fixture
-def rng():
-    seed = int(np.random.SeedSequence().entropy % 2**32)
-    print(f"seed {seed}")
-    return np.random.default_rng(seed)
-
-
 def test_round_bf16_matches_torch(rng):
     torch = pytest.importorskip("torch")
     x = (rng.standard_normal(10000) * 10.0 ** rng.integers(-3, 4, 10000)).astype(np.float32)

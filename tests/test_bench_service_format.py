@@ -15,13 +15,6 @@ from bench.service_load import compact_request, expand_request, summarize_level
 OLD = Path(__file__).resolve().parents[1] / "results/h200/20261129T133728Z-4ae82b6-bench/service.json"
 
 
-@pytest.fixture
-def rng():
-    seed = int(np.random.SeedSequence().entropy % 2**32)
-    print(f"seed {seed}")
-    return np.random.default_rng(seed)
-
-
 def _records(rng, n=12, max_tokens=256, multi=False):
     out = []
     for i in range(n):

@@ -87,13 +87,6 @@ def _write_run(root, run_id, medians, rng, host="h200", gpu=GPU, cmds=CMDS, n=30
     return d
 
 
-@pytest.fixture
-def rng():
-    seed = int(np.random.SeedSequence().entropy % 2**32)
-    print(f"seed {seed}")
-    return np.random.default_rng(seed)
-
-
 def test_verdicts_and_exit_code(tmp_path, rng):
     base = {(1, "native-cuda"): 10e-6, (64, "native-cuda"): 20e-6, (1, "sglang-cuda"): 1e-3}
     a = _write_run(tmp_path, "20260101T000000Z-aaaaaaa-bench", base, rng)

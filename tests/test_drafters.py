@@ -32,13 +32,6 @@ def _single_thread_blas():
     M.limit_blas_threads(1)
 
 
-@pytest.fixture
-def rng():
-    seed = int(np.random.SeedSequence().entropy % (2**63))
-    print(f"seed = {seed}")
-    return np.random.default_rng(seed)
-
-
 def _check_contract(top_logp, top_ids, L, K, V):
     assert top_logp.dtype == np.float32 and top_logp.shape == (L, K)
     assert top_ids.dtype == np.int64 and top_ids.shape == (L, K)

@@ -34,13 +34,6 @@ def _single_thread_blas():
     M.limit_blas_threads(1)
 
 
-@pytest.fixture
-def rng():
-    seed = int(np.random.SeedSequence().entropy % (2**63))
-    print(f"seed = {seed}")
-    return np.random.default_rng(seed)
-
-
 @pytest.fixture(scope="module")
 def tiny():
     seed = int(np.random.SeedSequence().entropy % (2**31))

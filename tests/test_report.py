@@ -59,13 +59,6 @@ def _run(root, run_id, rng, speed=1.0):
     return d
 
 
-@pytest.fixture
-def rng():
-    seed = int(np.random.SeedSequence().entropy % 2**32)
-    print(f"seed {seed}")
-    return np.random.default_rng(seed)
-
-
 def test_report_page_plots_and_computed_figures(tmp_path, rng):
     host = tmp_path / "results" / "h200"
     _run(host, "20260101T000000Z-aaaaaaa-bench", rng, speed=2.0)

@@ -3,17 +3,7 @@ the Kimi-shape attention table, e2e and service tables) recomputed here from ran
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
-
 from engine.remote import report_meaning as rm
-
-
-@pytest.fixture
-def rng():
-    seed = int(np.random.SeedSequence().entropy % 2**32)
-    print(f"seed {seed}")
-    return np.random.default_rng(seed)
 
 
 def _tree(rng):

@@ -76,13 +76,6 @@ def _run(host, run_id, start, end, suites, boot="boot-1"):
 
 
 @pytest.fixture
-def rng():
-    seed = int(np.random.SeedSequence().entropy % 2**32)
-    print(f"seed {seed}")
-    return np.random.default_rng(seed)
-
-
-@pytest.fixture
 def host(tmp_path, rng):
     """A: clean tree_build (10:00-10:10). B: tree_build 10:20-10:30 then service 10:30-10:40.
     C: tree_build 10:32-10:36 on the same boot (overlaps B's service, not B's tree_build).
