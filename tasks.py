@@ -64,7 +64,7 @@ def _guarded(fn):
 
 def _remote(name: str, host: str | None, as_json: bool, **flags) -> None:
     """Resolve the hosts, run engine.remote.pipeline.<name> on each in parallel, report, exit."""
-    from engine.remote import pipeline
+    from engine.remote import pipeline, results
     from engine.remote.chain import parse_chain
     from engine.remote.inventory import resolve_hosts
     from engine.remote.plan import Options
@@ -78,7 +78,7 @@ def _remote(name: str, host: str | None, as_json: bool, **flags) -> None:
     flags["accept_new_host_key"] = flags.get("accept_new_host_key", False) or chain.accept_new_host_key
     hosts = resolve_hosts(host, HOSTS_DIR)
     opts = Options(as_json=as_json, **flags)
-    fn = getattr(pipeline, name)
+    fn = getattr(results, name) if name == "fetch_results" else getattr(pipeline, name)
     with Progress([h.name for h in hosts], live=False if as_json else None) as progress:
         outcomes = pipeline.run_hosts(fn, hosts, REPO, opts, progress)
     task_name = name.replace("_", "-")
@@ -210,14 +210,16 @@ def build(c, arch="cpu"):
 @task(auto_shortflags=False, help={"pytest_args": "extra pytest arguments, e.g. \"tests/test_x.py -x\""})
 @_guarded
 def test(c, pytest_args=""):
-    """The whole test suite: cpu build, CUDA compile check, bundles, native tests, then pytest."""
+    """The whole test suite: import layers, cpu build, CUDA compile check, bundles, native tests, pytest."""
+    # engine/'s layers (pyproject.toml [tool.importlinter]): an upward import names both modules.
+    _sh([sys.executable, "-c", "from importlinter.cli import lint_imports_command as c; c()", "--no-cache"], 1)
     _sh(["bash", "cuda/build.sh", "--arch", "cpu", "--out", "build/cpu"], 4)
     if shutil.which("nvcc"):
         _sh(["bash", "cuda/build.sh", "--arch", "sm_90,sm_120", "--out", "build/fat"], 4)
     else:
         print("nvcc not found: skipping the sm_90,sm_120 compile check")
     env = {"KDTREE_LIB": str(REPO / "build/cpu/libkdtree.so")}
-    if (REPO / "engine/kdtr.py").is_file():
+    if (REPO / "engine/kdtr/__main__.py").is_file():
         _sh([sys.executable, "-m", "engine.kdtr", "generate", "--out", "build/cpu/bundles"], 1, env)
     native_failed = False
     if (REPO / "cuda/run_tests.sh").is_file():  # a failure here still lets pytest run: exit 1 at the end

@@ -110,7 +110,7 @@ def _run_case(eng, batches, new_tokens, mode, budget, drafters, reps):
 
 def _load_drafter(folder, device):
     """As Engine.block_drafter loads its own: numpy on the CPU, torch on the GPU."""
-    from engine.block_drafter import BlockDrafter
+    from engine.drafters.block import BlockDrafter
 
     if device == "cpu":
         return BlockDrafter.from_dir(folder, backend="numpy")

@@ -1,6 +1,6 @@
 """Suite `kernels`: tree build, tree accept and verify attention, per backend, over a grid.
 
-Every case is validated against the reference (engine.ddtree, engine.mla) on the very buffers
+Every case is validated against the reference (engine.reference.ddtree, engine.reference.mla) on the very buffers
 the timed call writes, then timed as a bare C-ABI call (bench/native_calls.py): CUDA events on
 the GPU, the monotonic clock on the CPU. Rates (formulas in each record):
   tree build   nodes/s = bs * budget / t
@@ -83,7 +83,7 @@ def _rate(value, unit, formula) -> dict:
 
 def _tree_and_accept(lib, device, bs, budget, rng, seed, timer) -> list:
     """Build (validated, timed), then accept on the built tree (validated, timed)."""
-    from engine import ddtree
+    from engine.reference import ddtree
 
     K = min(budget, 64)
     case = {"bs": bs, "budget": budget, "L": L, "K": K}
@@ -138,7 +138,7 @@ def attention_work(bs, prefix, tree, dtype, visible, words, heads=KIMI_K2["heads
 
 def _attention_reference(a, rows_req, prefix, tree, heads_sub):
     """float64 reference out/lse for requests `rows_req`, heads `heads_sub` (one request each)."""
-    from engine import mla
+    from engine.reference import mla
 
     outs, lses = [], []
     for b in rows_req:

@@ -116,7 +116,7 @@ def _record(step: str, method: str, samples: list[float], files: int, bytes_sent
 def _ssh_baseline(host, reps: int) -> list[float]:
     """Seconds of one `true` over an open connection: the host's fixed cost per command (sshd
     session + the user's shell start-up, e.g. a .bashrc), which bounds every step above."""
-    from engine.remote.transport import open_transport
+    from engine.remote.connect import open_transport
 
     with open_transport(host) as t:
         t.run(["true"])
@@ -153,7 +153,7 @@ def run(ctx) -> dict:
     from engine.remote.inventory import load_host
     from engine.remote.loopback import LoopbackSshd, path_without, sshd_missing_reason
     from engine.remote.sync import sync
-    from engine.remote.transport import open_transport
+    from engine.remote.connect import open_transport
 
     reason = sshd_missing_reason()
     if reason:

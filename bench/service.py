@@ -3,8 +3,8 @@
     python -m bench --suite service --out DIR [--quick] [--device cpu|cuda] [--url URL]
 
 With --url: sweeps the server at URL (any OpenAI-compatible /v1/completions: ours, vLLM's,
-SGLang's). Without: for each mode (AR, then DDTree) starts our server (`python -m engine.serve`)
-on 127.0.0.1 on a free port with the tiny model (`engine.model` init, seed 0, its block drafter
+SGLang's). Without: for each mode (AR, then DDTree) starts our server (`python -m engine.serving`)
+on 127.0.0.1 on a free port with the tiny model (`engine.reference.model` init, seed 0, its block drafter
 seed 1, from the weights cache of bench/weights.py, never the run folder; or the `weights`
 option; params["weights"] records folder, config and sha256 per file; DDTree serves with the
 trained block drafter of bench/weights.trained_drafter_weights, recorded in params["drafter"]:
@@ -124,11 +124,11 @@ def wait_healthy(url: str, timeout_s: float, proc=None, log_path=None) -> dict:
 
 
 class ServerProcess:
-    """`python -m engine.serve` on 127.0.0.1:<free port> for a with-block; `.url` inside."""
+    """`python -m engine.serving` on 127.0.0.1:<free port> for a with-block; `.url` inside."""
 
     def __init__(self, weights, mode: str, budget: int, device: str, max_batch: int,
                  max_queue: int, log_path, extra=()):
-        self.argv = [sys.executable, "-m", "engine.serve", "--weights", str(weights), "--mode",
+        self.argv = [sys.executable, "-m", "engine.serving", "--weights", str(weights), "--mode",
                      mode, "--budget", str(budget), "--device", device, "--max-batch",
                      str(max_batch), "--max-queue", str(max_queue), *extra]
         self.log_path = Path(log_path)

@@ -9,7 +9,7 @@ Backends:
                 GPU is present, else cpu), timed as SGLang runs it: its device-to-host copies,
                 Python heap loop, host-to-device copies and syncs all inside the wall-clock
                 sample, which ends with torch.cuda.synchronize() on a GPU
-Every backend's output is checked against engine.ddtree.build_tree (the reference) before it is
+Every backend's output is checked against engine.reference.ddtree.build_tree (the reference) before it is
 timed. Speedup of a native backend = median(sglang) / median(native) at the same (bs, budget).
 """
 
@@ -121,7 +121,7 @@ def _rec(backend, case, v, samples=None, seed=None, timing=None) -> dict:
 
 
 def _case(lib, devices, bs, budget, seed, quick) -> list:
-    from engine import ddtree
+    from engine.reference import ddtree
 
     rng = np.random.default_rng(seed)
     K = min(budget, 64)

@@ -2,7 +2,7 @@
 
 Weights are inputs, not results: a run folder is fetched into git (results/<host>/<run-id>/),
 so the tiny model's ~17 MB of safetensors must never land there. `tiny_weights()` generates
-the tiny target (`engine.model`, seed 0) and its block drafter (seed 1) once into
+the tiny target (`engine.reference.model`, seed 0) and its block drafter (seed 1) once into
 
     $KDTREE_CACHE/weights/tiny-<digest>/    (default cache: ~/.cache/kdtree-engine)
 
@@ -15,7 +15,7 @@ only when every listed file still has that digest, else it is generated again.
 the folder, the target's config and the sha256 of every weights file.
 
 `trained_drafter_weights(base, settings, device)` is the same target with a TRAINED block
-drafter (engine.drafter_train, greedy data from the native engine), in a sibling folder
+drafter (engine.training.drafter, greedy data from the native engine), in a sibling folder
 
     $KDTREE_CACHE/weights/tiny-<digest>-drafter-<key>/
 
@@ -87,7 +87,8 @@ def _publish(tmp: Path, folder: Path, ok) -> Path:
 
 def tiny_weights(cache: Path | None = None) -> Path:
     """The tiny target + block drafter folder in the cache, generated when missing or damaged."""
-    from engine import drafters, model
+    from engine.drafters.block import init_block_drafter
+    from engine.reference import model
 
     cfg = model.tiny_config()
     key = json.dumps({"config": cfg.to_dict(), "target_seed": TARGET_SEED,
@@ -100,11 +101,11 @@ def tiny_weights(cache: Path | None = None) -> Path:
     tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_weights(tmp, cfg, model.init_weights(cfg, TARGET_SEED))
-    drafters.init_block_drafter(tmp, seed=DRAFTER_SEED)
+    init_block_drafter(tmp, seed=DRAFTER_SEED)
     return _publish(tmp, folder, _verified)
 
 
-# Training settings of the benchmarks' trained drafter (engine.drafter_train.train arguments).
+# Training settings of the benchmarks' trained drafter (engine.training.drafter.train arguments).
 # Default: held-out depth-1 top-1 ~0.4 and tau ~2.4 at B=63 on the tiny model; QUICK trains on
 # less data for fewer steps (a clearly non-trivial drafter still, in well under a minute).
 DRAFTER_TRAIN = {"steps": 800, "sequences": 192, "new_tokens": 96, "seed": 0}
@@ -114,7 +115,7 @@ TARGET_FILES = ("config.json", "model.safetensors")
 
 def _bound(folder: Path) -> bool:
     """Verified digests, a trained drafter, and that drafter bound to the target beside it."""
-    from engine import block_drafter as BD
+    from engine.drafters import block as BD
 
     if not _verified(folder):
         return False
@@ -130,8 +131,8 @@ def trained_drafter_weights(base: Path, settings: dict | None = None, device: st
     """base's target with a block drafter trained with `settings` (DRAFTER_TRAIN's keys), from
     the cache when present and bound to that target, else trained now on `device` (the torch
     device for training; the native engine that generates the data runs there too)."""
-    from engine import block_drafter as BD
-    from engine.drafter_train import train
+    from engine.drafters import block as BD
+    from engine.training.drafter import train
 
     base = Path(base)
     settings = dict(DRAFTER_TRAIN if settings is None else settings)
@@ -177,7 +178,7 @@ def _torch_cuda() -> bool:
 def drafter_record(folder) -> dict:
     """What a suite records about the block drafter in `folder`: trained or random, its steps,
     the training run (data source, seed, held-out top-1 by depth) and the target it is bound to."""
-    from engine import block_drafter as BD
+    from engine.drafters import block as BD
 
     cfg, _ = BD.load(folder)
     t = cfg.training or {}

@@ -6,9 +6,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine import ddtree
+from engine.reference import ddtree
 from engine.baselines import sglang_cpu
-from engine.kdtr_cases import drafter_topk
+from engine.kdtr.cases import drafter_topk
 
 FIELDS = ("tokens", "parents", "depths", "positions", "first_child", "next_sibling",
           "visibility", "num_nodes", "scores")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from bench import weights as bw
-from engine import block_drafter as BD
+from engine.drafters import block as BD
 from native_helpers import native
 
 pytestmark = pytest.mark.native
@@ -32,8 +32,8 @@ def cache(tmp_path, monkeypatch):
 
 
 def _counting_train(monkeypatch):
-    """Wraps engine.drafter_train.train to count the trainings the cache starts."""
-    from engine import drafter_train
+    """Wraps engine.training.drafter.train to count the trainings the cache starts."""
+    from engine.training import drafter as drafter_train
 
     calls = []
     real = drafter_train.train

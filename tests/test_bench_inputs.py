@@ -46,7 +46,7 @@ def test_pack_visibility_is_the_ancestor_relation(n, seed):
 
 
 def test_pack_visibility_matches_reference_tree(rng):
-    from engine import ddtree
+    from engine.reference import ddtree
 
     x = inputs.tree_inputs(rng, 3, 15, 63)
     t = ddtree.build_tree(x["top_logp"], x["top_ids"], 63, x["root_ids"], x["seq_lens"])
@@ -55,7 +55,7 @@ def test_pack_visibility_matches_reference_tree(rng):
 
 
 def test_accept_target_walks_deep(rng):
-    from engine import ddtree
+    from engine.reference import ddtree
 
     x = inputs.tree_inputs(rng, 32, 15, 64)
     t = ddtree.build_tree(x["top_logp"], x["top_ids"], 255, x["root_ids"], x["seq_lens"])
@@ -68,7 +68,7 @@ def test_accept_target_walks_deep(rng):
 
 
 def test_check_exact_names_the_first_difference(rng):
-    from engine import ddtree
+    from engine.reference import ddtree
 
     x = inputs.tree_inputs(rng, 4, 15, 15)
     t = ddtree.build_tree(x["top_logp"], x["top_ids"], 15, x["root_ids"], x["seq_lens"])

@@ -35,7 +35,7 @@ def ctx(tmp_path_factory):
 
 def _fake_sglang(corrupt: bool = False):
     """An SGLang-shaped stand-in: the reference tree, returned under SGLang's names, flat."""
-    from engine import ddtree
+    from engine.reference import ddtree
 
     def build_tree(top_logp, top_ids, budget, root_ids, seq_lens, device="cpu"):
         t = ddtree.build_tree(*(x.cpu().numpy() for x in (top_logp, top_ids)), budget,

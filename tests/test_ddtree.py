@@ -1,4 +1,4 @@
-"""engine.ddtree: the worked example, exact ties, degenerate sizes, argument validation.
+"""engine.reference.ddtree: the worked example, exact ties, degenerate sizes, argument validation.
 
 Property tests (hypothesis) live in test_ddtree_properties.py.
 """
@@ -8,8 +8,8 @@ import re
 import numpy as np
 import pytest
 
-from engine import ddtree
-from engine.ddtree import accept_greedy, build_tree, sglang_mask, unpack_visibility
+from engine.reference import ddtree
+from engine.reference.ddtree import accept_greedy, build_tree, sglang_mask, unpack_visibility
 
 
 def _one(top_logp, top_ids, budget, root=7, seq_len=10):

@@ -1,4 +1,4 @@
-"""Property tests of engine.ddtree (hypothesis), with exact score ties on purpose.
+"""Property tests of engine.reference.ddtree (hypothesis), with exact score ties on purpose.
 
 Log-probs are drawn from small pools of multiples of 2**-20 in [-8, 0] (exact in float32, and
 every path sum of them is exact in float64), so ties are frequent and `math.fsum` of a rank
@@ -12,8 +12,8 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine import ddtree
-from engine.ddtree import accept_greedy, build_tree, unpack_visibility
+from engine.reference import ddtree
+from engine.reference.ddtree import accept_greedy, build_tree, unpack_visibility
 
 SETTINGS = settings(max_examples=200, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])

@@ -1,4 +1,4 @@
-"""engine.drafters and engine.block_drafter: the interface contract, the oracle's quality knob,
+"""engine.drafters and engine.drafters.block: the interface contract, the oracle's quality knob,
 numpy vs torch forwards of the block drafter, its file format, and a brief training run.
 
 Fresh seeds every run (printed). float32 comparisons: relative error (norm-wise) under 1e-5; the
@@ -14,9 +14,10 @@ import sys
 import numpy as np
 import pytest
 
-from engine import block_drafter as BD
-from engine import model as M
-from engine.drafters import NoisyOracleDrafter, load_block_drafter, topk_from_logits
+from engine.drafters import block as BD
+from engine.reference import model as M
+from engine.drafters.oracle import NoisyOracleDrafter
+from engine.drafters.topk import topk_from_logits
 
 REL32 = 1e-5
 
@@ -172,13 +173,13 @@ def test_torch_cuda_forward_agrees_with_numpy(drafter_parts, rng):
 
 @pytest.mark.slow
 def test_brief_training_learns_and_keeps_the_invariant(tmp_path):
-    from engine.model_decode import generate
+    from engine.reference.decode import generate
 
     out = tmp_path / "w"
-    subprocess.run([sys.executable, "-m", "engine.model", "init", "--out", str(out)], check=True,
+    subprocess.run([sys.executable, "-m", "engine.cli.model", "init", "--out", str(out)], check=True,
                    capture_output=True)
     before = BD.load(out)[1]
-    proc = subprocess.run([sys.executable, "-m", "engine.drafters", "train", "--weights", str(out),
+    proc = subprocess.run([sys.executable, "-m", "engine.cli.drafter", "train", "--weights", str(out),
                            "--steps", "150", "--sequences", "12", "--new-tokens", "48"],
                           check=True, capture_output=True, text=True)
     result = json.loads(proc.stdout[proc.stdout.index("{"):])
@@ -188,7 +189,7 @@ def test_brief_training_learns_and_keeps_the_invariant(tmp_path):
     assert cfg.trained_steps == 150
     assert any(not np.array_equal(before[k], after[k]) for k in before)
     model = M.Model.from_dir(out)
-    drafter = load_block_drafter(out, backend="numpy")
+    drafter = BD.BlockDrafter.from_dir(out, backend="numpy")
     prompt = np.arange(3, 20)
     ar = generate(model, prompt, 40)
     dd = generate(model, prompt, 40, mode="ddtree", budget=15, drafter=drafter)

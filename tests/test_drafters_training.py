@@ -1,4 +1,4 @@
-"""Block-drafter training on data from the native engine (engine.drafter_train): a tiny budget
+"""Block-drafter training on data from the native engine (engine.training.drafter): a tiny budget
 beats the seeded random drafter on held-out rounds, the config records the run and the target
 it is bound to, a drafter beside other target weights is refused, and DDTree == AR with it.
 
@@ -12,8 +12,8 @@ import shutil
 import numpy as np
 import pytest
 
-from engine import block_drafter as BD
-from engine import model as M
+from engine.drafters import block as BD
+from engine.reference import model as M
 from native_helpers import native
 
 pytestmark = pytest.mark.native
@@ -25,8 +25,8 @@ STEPS, SEQUENCES, NEW_TOKENS = 60, 16, 48  # seconds on 2 shared cores
 def trained(tmp_path_factory):
     """(folder, seed, train() result): the tiny target + its drafter trained on a tiny budget."""
     native()  # builds / points KDTREE_LIB at libkdtree.so
-    from engine import drafters
-    from engine.drafter_train import train
+    from engine.drafters.block import init_block_drafter
+    from engine.training.drafter import train
 
     M.limit_blas_threads(1)
     seed = int(np.random.SeedSequence().entropy % (2**31))
@@ -34,7 +34,7 @@ def trained(tmp_path_factory):
     w = tmp_path_factory.mktemp("trained")
     cfg = M.tiny_config()
     M.save_weights(w, cfg, M.init_weights(cfg, seed))
-    drafters.init_block_drafter(w, seed=seed + 1)
+    init_block_drafter(w, seed=seed + 1)
     result = train(w, steps=STEPS, sequences=SEQUENCES, new_tokens=NEW_TOKENS, seed=seed,
                    data="native", log=print)
     return w, seed, result

@@ -9,8 +9,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine import kdtr
-from engine.kdtr import KdtrError
+from engine.kdtr import bundle as kdtr
+from engine.kdtr.bundle import KdtrError
 
 SETTINGS = settings(max_examples=150, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow,
@@ -146,7 +146,7 @@ def test_missing_file_names_it(tmp_path):
 
 
 def test_wrong_schema_dtype_rejected(tmp_path):
-    from engine import kdtr_cases
+    from engine.kdtr import cases as kdtr_cases
 
     rng = np.random.default_rng()
     (_, _, _, tensors), _ = next(kdtr_cases.tree_build_cases(rng, quick=True))

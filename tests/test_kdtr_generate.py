@@ -8,8 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine import ddtree, kdtr, mla
-from engine.kdtr_cases import all_cases, generate
+from engine.kdtr import bundle as kdtr
+from engine.reference import ddtree, mla
+from engine.kdtr.cases import all_cases, generate
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""engine.mla: the float64 verify-attention reference against a direct per-query softmax, the
+"""engine.reference.mla: the float64 verify-attention reference against a direct per-query softmax, the
 state merge, the empty-state cases and the ragged layout.
 
 Tolerance: both sides are float64 on the same inputs and differ only in summation order, so
@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import ddtree, kdtr, mla
+from engine.kdtr import bundle as kdtr
+from engine.reference import ddtree, mla
 
 TOL = 1e-12
 

@@ -1,4 +1,4 @@
-"""engine.model and engine.model_ops: rope / YaRN / router pieces against direct formulas, the absorbed forward against
+"""engine.reference.model and engine.reference.model_ops: rope / YaRN / router pieces against direct formulas, the absorbed forward against
 an independent non-absorbed one, cache consistency (prefill = AR = tree verify), compaction, and
 the weights format round trip.
 
@@ -17,8 +17,8 @@ import sys
 import numpy as np
 import pytest
 
-from engine import model as M
-from engine import model_ops as O
+from engine.reference import model as M
+from engine.reference import model_ops as O
 
 REL64 = 1e-10
 
@@ -354,7 +354,7 @@ def test_config_validation_names_the_field():
 
 def test_init_cli_writes_a_model_whose_greedy_output_is_not_degenerate(tmp_path):
     out = tmp_path / "w"
-    subprocess.run([sys.executable, "-m", "engine.model", "init", "--out", str(out)], check=True,
+    subprocess.run([sys.executable, "-m", "engine.cli.model", "init", "--out", str(out)], check=True,
                    capture_output=True, text=True)
     for f in ("config.json", "model.safetensors", "drafter_config.json", "drafter.safetensors"):
         assert (out / f).is_file(), f

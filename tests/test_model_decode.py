@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine import model as M
-from engine.drafters import NoisyOracleDrafter
-from engine.model_decode import generate
+from engine.reference import model as M
+from engine.drafters.oracle import NoisyOracleDrafter
+from engine.reference.decode import generate
 
 QUALITIES = [0.0, 0.3, 0.6, 0.9, 1.0]
 
@@ -99,7 +99,7 @@ def test_ddtree_equals_ar_at_awkward_budgets(tiny, seed, budget, topk):
 
 
 def test_ddtree_with_the_seeded_block_drafter_equals_ar(tiny, seed):
-    from engine import block_drafter as BD
+    from engine.drafters import block as BD
 
     cfg = BD.DrafterConfig(vocab_size=512, target_hidden_size=256)
     drafter = BD.BlockDrafter(cfg, BD.init_weights(cfg, seed), backend="numpy")
@@ -122,11 +122,11 @@ def test_generate_rejects_bad_arguments(tiny):
 @pytest.mark.parametrize("backend", ["numpy", "torch"])
 def test_ddtree_equals_ar_on_20_prompts_x_64_tokens_with_the_block_drafter(tiny, seed, tmp_path,
                                                                             backend):
-    from engine.drafters import init_block_drafter, load_block_drafter
+    from engine.drafters.block import BlockDrafter, init_block_drafter
 
     M.save_weights(tmp_path, tiny.cfg, {k: v.astype(np.float32) for k, v in tiny.w.items()})
     init_block_drafter(tmp_path, seed=seed + 1)  # untrained: the invariant holds for any drafter
-    drafter = load_block_drafter(tmp_path, backend=backend)
+    drafter = BlockDrafter.from_dir(tmp_path, backend=backend)
     for i, prompt in enumerate(_prompts(seed + 5, 20)):
         ar = generate(tiny, prompt, 64)
         dd = generate(tiny, prompt, 64, mode="ddtree", budget=15, drafter=drafter)

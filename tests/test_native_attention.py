@@ -28,8 +28,8 @@ def _attention():
 
 
 def reference_f64(q_lat, q_pe, kv, q_indptr, kv_indptr, vis, scale):
-    """engine.mla's float64 reference in the kernel layout, on the exact (rounded) inputs."""
-    from engine.mla import verify_attention_ragged
+    """engine.reference.mla's float64 reference in the kernel layout, on the exact (rounded) inputs."""
+    from engine.reference.mla import verify_attention_ragged
 
     return verify_attention_ragged(q_lat, q_pe, kv, q_indptr, kv_indptr, vis, scale)
 
@@ -230,7 +230,7 @@ def test_cpu_numpy_bf16_bits_equal_torch_bf16():
 
 
 def _dense_f64_cuda(q_lat, q_pe, kv, qi, ki, vis, scale):
-    """Dense float64 softmax per request on the GPU, for sizes where engine.mla's numpy path
+    """Dense float64 softmax per request on the GPU, for sizes where engine.reference.mla's numpy path
     would take minutes (P = 32k, 64 heads); an independent path (no splits, no online merge)."""
     import torch
 

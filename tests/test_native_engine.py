@@ -1,4 +1,4 @@
-"""Native engine (libkdtree, FP32) vs the float64 reference model (engine.model), and the
+"""Native engine (libkdtree, FP32) vs the float64 reference model (engine.reference.model), and the
 DDTree == AR invariant on the native engine itself.
 
 Fresh random weights, prompts and trees every run; each failure message carries the seed.
@@ -26,7 +26,7 @@ LOGIT_RTOL = 1e-4
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
     """A tiny model with a fresh seed (docs/MODEL.md), plus its block drafter."""
-    from engine import model
+    from engine.reference import model
 
     seed = secrets.randbelow(2**31)
     d = tmp_path_factory.mktemp("weights")
@@ -37,7 +37,7 @@ def weights(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(weights):
-    from engine import model
+    from engine.reference import model
 
     return model.Model.from_dir(weights[0])
 
@@ -198,7 +198,7 @@ def test_ddtree_equals_ar_equals_reference(weights, reference, device):
     """>= 20 prompts of varied length x 64 new tokens: native AR == reference AR, and native
     DDTree (oracle drafters of several qualities, budgets 15 and 63) == native AR, token for
     token; acceptance rises with the oracle's quality and target forwards fall."""
-    from engine.model import greedy
+    from engine.reference.model import greedy
 
     seed = secrets.randbelow(2**31)
     rng = np.random.default_rng(seed)
@@ -228,11 +228,11 @@ def test_block_drafter_and_step_api(weights):
     """The default drafter (the block drafter stored with the weights) keeps DDTree == AR, and
     the step API (add / step / release, slots joining at different times) gives the same
     tokens as generate."""
-    from engine import drafters
+    from engine.drafters.block import init_block_drafter
 
     seed = secrets.randbelow(2**31)
     rng = np.random.default_rng(seed)
-    drafters.init_block_drafter(weights[0], seed=seed)
+    init_block_drafter(weights[0], seed=seed)
     eng = make_engine(weights, "cpu", max_slots=3, max_seq=256)
     prompts = random_prompts(rng, 3, eng.vocab_size, 1, 30)
     ar = eng.generate(prompts, 12, mode="ar")

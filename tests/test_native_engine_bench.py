@@ -16,13 +16,14 @@ pytestmark = pytest.mark.native
 def test_e2e_suite_small_grid(tmp_path):
     import bench
     from bench import e2e
-    from engine import drafters, model
+    from engine.drafters.block import init_block_drafter
+    from engine.reference import model
 
     lib = native().library()
     w = tmp_path / "weights"
     cfg = model.tiny_config()
     model.save_weights(w, cfg, model.init_weights(cfg, 0))
-    drafters.init_block_drafter(w, seed=1)
+    init_block_drafter(w, seed=1)
     devices = ["cpu", "cuda"]  # cuda: a record saying why it was skipped, unless a GPU is there
     ctx = bench.Context(out_dir=tmp_path, devices=devices, library=lib, args=dict(
         weights=str(w), prompts=3, new_tokens=12, budgets=[7], qualities=[0.0, 1.0],

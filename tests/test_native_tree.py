@@ -1,4 +1,4 @@
-"""Native tree build vs the reference (engine.ddtree), CPU backend and (with a GPU) CUDA.
+"""Native tree build vs the reference (engine.reference.ddtree), CPU backend and (with a GPU) CUDA.
 
 Fresh random inputs every run; every failure message carries the seed. Exact ties are forced
 by drawing log-probs from a few repeated values. Integers and float64 scores must match bit
@@ -12,7 +12,7 @@ import secrets
 import numpy as np
 import pytest
 
-from engine import ddtree
+from engine.reference import ddtree
 
 from native_helpers import (  # noqa: F401 (fixtures)
     DEVICES, FIELDS_TREE, assert_same, cuda_ready, native, random_build_inputs,

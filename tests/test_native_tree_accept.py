@@ -1,4 +1,4 @@
-"""Native greedy accept vs the reference (engine.ddtree.accept_greedy), CPU and CUDA backends.
+"""Native greedy accept vs the reference (engine.reference.ddtree.accept_greedy), CPU and CUDA backends.
 
 Trees come from the reference build on fresh random inputs (seed in every message); targets
 follow a random tree path (all-accept down to a leaf), reject at the root, or are random;
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from engine import ddtree
+from engine.reference import ddtree
 
 from native_helpers import (  # noqa: F401 (fixtures)
     DEVICES, FIELDS_ACCEPT, assert_same, cuda_ready, native, random_build_inputs,

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import ddtree
+from engine.reference import ddtree
 
 from native_helpers import FIELDS_ACCEPT, FIELDS_TREE, assert_same, native
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from engine.remote import doctor, pipeline
 from engine.remote.errors import BuildFailed, HostUnreachable
 from engine.remote.inventory import parse_host
+from engine.remote.outcome import INTERNAL_ERROR_EXIT, Outcome
 from engine.remote.plan import Options
 from engine.remote.progress import Progress
 
@@ -28,7 +29,7 @@ def test_run_hosts_parallel_isolated_worst_exit(tmp_path):
             raise HostUnreachable("connection refused")
         if h.name == "bug":
             raise KeyError("oops")
-        return pipeline.Outcome(h.name, "task", "fine", run_ids=["R"])
+        return Outcome(h.name, "task", "fine", run_ids=["R"])
 
     out = io.StringIO()
     hosts = [host("good"), host("down"), host("bug")]
@@ -37,9 +38,9 @@ def test_run_hosts_parallel_isolated_worst_exit(tmp_path):
     good, down, bug = outcomes
     assert good.exit_code == 0 and good.run_ids == ["R"]
     assert down.exit_code == 3 and str(down.error) == "error: down: task: connection refused"
-    assert bug.exit_code == pipeline.INTERNAL_ERROR_EXIT and "internal error: KeyError" in str(bug.error)
+    assert bug.exit_code == INTERNAL_ERROR_EXIT and "internal error: KeyError" in str(bug.error)
     assert "KeyError: 'oops'" in (tmp_path / ".kdtree/debug.log").read_text()
-    assert pipeline.worst_exit(outcomes) == pipeline.INTERNAL_ERROR_EXIT
+    assert pipeline.worst_exit(outcomes) == INTERNAL_ERROR_EXIT
     assert pipeline.worst_exit(outcomes[:2]) == 3
     lines = out.getvalue().splitlines()
     for name in ("good", "down", "bug"):
@@ -47,9 +48,9 @@ def test_run_hosts_parallel_isolated_worst_exit(tmp_path):
 
 
 def test_outcome_exit_codes():
-    assert pipeline.Outcome("h", "t").exit_code == 0
-    assert pipeline.Outcome("h", "t", error=BuildFailed("x")).exit_code == 4
-    assert pipeline.Outcome("h", "t", error=BuildFailed("x")).to_dict()["error"] == "error: x"
+    assert Outcome("h", "t").exit_code == 0
+    assert Outcome("h", "t", error=BuildFailed("x")).exit_code == 4
+    assert Outcome("h", "t", error=BuildFailed("x")).to_dict()["error"] == "error: x"
 
 
 def test_progress_plain_lines_are_prefixed(tmp_path):

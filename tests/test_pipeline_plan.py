@@ -24,7 +24,7 @@ def host(**fields):
 @pytest.fixture
 def repo(tmp_path):
     """A checkout with the files the plans look for."""
-    for rel in ("engine/kdtr.py", "cuda/run_tests.sh", "cuda/build.sh"):
+    for rel in ("engine/kdtr/__main__.py", "cuda/run_tests.sh", "cuda/build.sh"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text("# stub\n")
     return tmp_path
@@ -56,9 +56,9 @@ def test_deploy_plan_no_build_and_missing_generator(repo):
     h = host()
     plan = plan_deploy(h, Layout(RD, h.cuda_arch), repo, Options(no_build=True))
     assert plan.step("build").skipped == "--no-build" and plan.step("bundles").skipped == "--no-build"
-    (repo / "engine/kdtr.py").unlink()
+    (repo / "engine/kdtr/__main__.py").unlink()
     plan = plan_deploy(h, Layout(RD, h.cuda_arch), repo, Options())
-    assert plan.step("build").skipped is None and "engine/kdtr.py" in plan.step("bundles").skipped
+    assert plan.step("build").skipped is None and "engine/kdtr/" in plan.step("bundles").skipped
 
 
 def test_test_plan_native(repo):

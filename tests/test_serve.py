@@ -1,4 +1,4 @@
-"""The server (`python -m engine.serve`, CPU backend, tiny model) against clients on 127.0.0.1:
+"""The server (`python -m engine.serving`, CPU backend, tiny model) against clients on 127.0.0.1:
 served tokens == the engine's direct greedy output (AR and DDTree), the load generator against
 it, the `service` suite (its own server, and --url), bad requests, disconnecting clients and an
 overload burst. Fresh random weights and prompts every run; failures print the seed.
@@ -32,14 +32,15 @@ LONG = 4000  # tokens of a request that must not finish while the test watches (
 
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
-    from engine import drafters, model
+    from engine.drafters.block import init_block_drafter
+    from engine.reference import model
 
     native()  # builds / locates libkdtree.so and sets KDTREE_LIB for the servers too
     seed = secrets.randbelow(2**31)
     d = tmp_path_factory.mktemp("serve_weights")
     cfg = model.tiny_config()
     model.save_weights(d, cfg, model.init_weights(cfg, seed))
-    drafters.init_block_drafter(d, seed=seed + 1)
+    init_block_drafter(d, seed=seed + 1)
     return d, seed
 
 

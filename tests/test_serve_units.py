@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.batcher import Batcher, Overloaded, Unavailable
-from engine.serve import BadRequest, parse_completion
-from engine.tokenizer import ByteTokenizer
+from engine.serving.batcher import Batcher, Overloaded, Unavailable
+from engine.serving.server import BadRequest, parse_completion
+from engine.serving.tokenizer import ByteTokenizer
 
 VOCAB = 512
 TOK = ByteTokenizer(VOCAB)

@@ -15,7 +15,7 @@ from engine.remote.errors import StepTimeout, TransferError
 from engine.remote.inventory import load_host, parse_host
 from engine.remote.loopback import path_without
 from engine.remote.sync import MANIFEST, git_file_list, plan_sync, sync
-from engine.remote.transport import open_transport
+from engine.remote.connect import open_transport
 
 HOSTS = Path(__file__).resolve().parents[1] / "hosts"
 MODES = [("local", "rsync"), ("local", "tar"), ("ssh", "rsync"), ("ssh", "tar")]

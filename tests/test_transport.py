@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from engine.remote.errors import HostKeyError, HostUnreachable, StepTimeout, TransferError
 from engine.remote.inventory import load_host, parse_host
 from engine.remote.loopback import generate_key, known_hosts_line
-from engine.remote.transport import LocalTransport, env_value_sh, open_transport
+from engine.remote.connect import open_transport
+from engine.remote.transport import LocalTransport, env_value_sh
 
 HOSTS = Path(__file__).resolve().parents[1] / "hosts"
 HOSTILE = ["a b", "$(touch PWNED)", "`touch PWNED`", "'", '"', "\\", "; touch PWNED", "*", "-n", "", "x\ny", "$HOME", "é ü"]

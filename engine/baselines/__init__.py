@@ -1,5 +1,5 @@
 """Re-implementations of other systems' paths, kept for head-to-head benchmarks.
 
 `sglang_cpu`: SGLang's per-request CPU DDTree build (DDTREE.md section 7), equal in output to
-`engine.ddtree.build_tree`.
+`engine.reference.ddtree.build_tree`.
 """

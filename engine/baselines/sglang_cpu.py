@@ -9,7 +9,7 @@ keeps the structure and therefore the costs of SGLang's path, per request and pe
   4. per-request host-to-device copies: tokens, positions (fill, copy, add), a ones mask plus its
      tree block, the two link rows,
   5. the final concatenation of the per-request masks.
-It produces the same tree as engine.ddtree.build_tree on identical inputs (tests check every
+It produces the same tree as engine.reference.ddtree.build_tree on identical inputs (tests check every
 field). Two deliberate differences from SGLang: a tree with fewer nodes than the budget fills the
 unused slots with -1 like the reference (SGLang fails on a shape mismatch there), and the
 reference's extra fields (parents, depths, scores, packed visibility, num_nodes) are kept on the
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.ddtree import MAX_BUDGET
+from engine.reference.ddtree import MAX_BUDGET
 
 
 @dataclass
@@ -45,7 +45,7 @@ class SglangTree:
 
     @property
     def visibility(self) -> np.ndarray:
-        """Packed uint32 [bs, n, ceil(n / 32)] as in engine.ddtree (computed on access)."""
+        """Packed uint32 [bs, n, ceil(n / 32)] as in engine.reference.ddtree (computed on access)."""
         bs, n = self.parents.shape
         words = np.zeros((bs, n, (n + 31) // 32), np.uint32)
         for b, vis in enumerate(self.vis_bool):
@@ -69,7 +69,7 @@ def _as_tensor(name: str, a, dtype: torch.dtype, ndim: int, device: str) -> torc
 
 
 def build_tree(top_logp, top_ids, budget, root_ids, seq_lens, device="cpu") -> SglangTree:
-    """SGLang-style batched build. Arguments as engine.ddtree.build_tree (numpy arrays, or torch
+    """SGLang-style batched build. Arguments as engine.reference.ddtree.build_tree (numpy arrays, or torch
     tensors already on `device`); device "cpu" or "cuda"."""
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device: {device!r}, expected 'cpu' or 'cuda'")

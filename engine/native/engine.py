@@ -4,7 +4,7 @@
     r = eng.generate(prompt_ids, 64, mode="ddtree", budget=63, drafter="oracle:0.8")
     r.tokens, r.stats.mean_accept_length, r.stats.target_forwards
 
-The weights folder is the one `python -m engine.model init --out DIR` writes (docs/MODEL.md);
+The weights folder is the one `python -m engine.cli.model init --out DIR` writes (docs/MODEL.md);
 the library reads it itself (cuda/src/model_load.cpp). One code path serves both modes: an AR
 step is the verify of a one-node tree (the root alone), a DDTree round the verify of the
 drafted tree; the library computes each token's row with arithmetic that does not depend on
@@ -105,7 +105,7 @@ class _Slot:
 
 @dataclasses.dataclass
 class _OneNodeTree:
-    """The AR step as a tree: the root alone (the shapes of engine.ddtree.Tree, n = 1)."""
+    """The AR step as a tree: the root alone (the shapes of engine.reference.ddtree.Tree, n = 1)."""
 
     tokens: np.ndarray
     first_child: np.ndarray
@@ -136,7 +136,7 @@ class Engine:
       generate(prompt_ids, max_new_tokens, mode="ar"|"ddtree", budget=63, drafter=None)
         prompt_ids: one list of token ids, or a list of lists (a batch decoded together).
         drafter: None = the block drafter stored with the weights (engine.drafters);
-          "oracle" or "oracle:<quality>" = the noisy ORACLE (engine.drafters.NoisyOracleDrafter,
+          "oracle" or "oracle:<quality>" = the noisy ORACLE (engine.drafters.oracle.NoisyOracleDrafter,
           handed the true greedy continuation, which this engine computes first by AR and does
           not count in the stats); or any object with `depth` and `draft(committed, root,
           hidden, k)`, or a list of such objects, one per prompt (see oracle_drafters()).
@@ -332,7 +332,7 @@ class Engine:
         engine (about 1 ms per draft here, against about 0.5 s for the torch backend on this
         loaded 2-core machine), its torch backend on the GPU for the CUDA engine."""
         if self._block_drafter is None:
-            from engine.block_drafter import BlockDrafter  # lazily: another area's module
+            from engine.drafters.block import BlockDrafter  # lazily: another area's module
 
             if self.device == "cpu":
                 self._block_drafter = BlockDrafter.from_dir(self.weights_dir, backend="numpy")
@@ -477,7 +477,7 @@ class Engine:
                         depth: int = 15) -> list:
         """One NoisyOracleDrafter per prompt, handed the true greedy continuation (computed here
         by AR, max_new_tokens + depth + 1 tokens): build them before timing a generate."""
-        from engine.drafters import NoisyOracleDrafter  # lazily: another area's module
+        from engine.drafters.oracle import NoisyOracleDrafter  # lazily: another area's module
 
         prompts = [np.asarray(p, np.int64).reshape(-1) for p in prompts]
         truth = self.generate(prompts, max_new_tokens + depth + 1, mode="ar").tokens

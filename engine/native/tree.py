@@ -1,7 +1,7 @@
 """Native tree build and greedy accept: the reference's signatures plus `device`.
 
 `build_tree(top_logp, top_ids, budget, root_ids, seq_lens, device="cpu")` and
-`accept_greedy(tree, target_argmax, device="cpu")` return `engine.ddtree.Tree` / `Accept`
+`accept_greedy(tree, target_argmax, device="cpu")` return `engine.reference.ddtree.Tree` / `Accept`
 with the same arrays as the reference (DDTREE.md sections 3-4), bit for bit. numpy inputs give
 numpy outputs (device="cuda" copies through the library's device helpers); torch tensors give
 torch tensors on the inputs' device.
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.ddtree import MAX_BUDGET, Accept, Tree
+from engine.reference.ddtree import MAX_BUDGET, Accept, Tree
 
 from ._lib import Call, _is_torch, library
 
@@ -51,7 +51,7 @@ def _on_host(x) -> bool:
 
 
 def build_tree(top_logp, top_ids, budget, root_ids, seq_lens, device: str = "cpu") -> Tree:
-    """Best-first DDTree build for every request (see engine.ddtree.build_tree).
+    """Best-first DDTree build for every request (see engine.reference.ddtree.build_tree).
 
     top_logp float32 [bs, L, K], top_ids int64 [bs, L, K], root_ids int64 [bs], seq_lens int64
     [bs]; 1 <= budget <= 1024, 1 <= L <= 32. Raises ValueError / TypeError naming the argument,
@@ -103,7 +103,7 @@ def build_tree(top_logp, top_ids, budget, root_ids, seq_lens, device: str = "cpu
 
 
 def accept_greedy(tree, target_argmax, device: str = "cpu") -> Accept:
-    """Bounded greedy accept walk for every request (see engine.ddtree.accept_greedy).
+    """Bounded greedy accept walk for every request (see engine.reference.ddtree.accept_greedy).
 
     tree: an object with `tokens`, `first_child`, `next_sibling` int64 [bs, n] and optionally
     `num_nodes` int32 [bs]; target_argmax int64 [bs, n]. Malformed trees give a nonzero

@@ -3,7 +3,6 @@
     deploy(host, repo_root, opts, progress)        -> Outcome   sync + build (+ bundles)
     test_remote(host, repo_root, opts, progress)   -> Outcome   deploy, then a `test` run
     bench(host, repo_root, opts, progress)         -> Outcome   deploy, then a `bench` run
-    fetch_results(host, repo_root, opts, progress) -> Outcome   (engine/remote/results.py)
     doctor(host, repo_root, opts, progress)        -> Outcome
     run_hosts(fn, hosts, repo_root, opts, progress) -> [Outcome]   one thread per host
 
@@ -21,14 +20,11 @@ an unexpected exception becomes exit code 70 with its traceback in .kdtree/debug
 from __future__ import annotations
 
 import json
-import os
 import shlex
-import tempfile
 import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -39,61 +35,12 @@ from .locks import RemoteLock
 from .plan import (Layout, Options, Plan, make_run_id, plan_deploy, plan_run, runner_request,
                    source_digest)
 from .progress import Progress
-from .transport import Transport, open_transport
+from .connect import open_transport
+from .hostfiles import layout_for, read_remote_json, write_remote_json
+from .outcome import INTERNAL_ERROR_EXIT, Outcome
+from .transport import Transport
 
-INTERNAL_ERROR_EXIT = 70
 DEBUG_LOG = Path(".kdtree") / "debug.log"
-
-
-@dataclass
-class Outcome:
-    host: str
-    task: str
-    summary: str = ""
-    error: KdtError | None = None
-    run_ids: list[str] = field(default_factory=list)
-    details: dict = field(default_factory=dict)
-
-    @property
-    def exit_code(self) -> int:
-        if self.error is None:
-            return 0
-        return getattr(self.error, "exit_code", INTERNAL_ERROR_EXIT)
-
-    def to_dict(self) -> dict:
-        return {"host": self.host, "task": self.task, "exit_code": self.exit_code,
-                "summary": self.summary, "error": str(self.error) if self.error else None,
-                "run_ids": self.run_ids, "details": self.details}
-
-
-# ---- helpers --------------------------------------------------------------------------------------
-
-def layout_for(host: Host, t: Transport) -> Layout:
-    return Layout(t.remote_dir, host.cuda_arch)
-
-
-def read_remote_json(t: Transport, path: str) -> dict | None:
-    """A JSON file on the host, or None when it does not exist."""
-    r = t.run(f"cat {shlex.quote(path)} 2>/dev/null || exit 44", timeout=t.host.timeouts.connect)
-    if r.exit_code == 44:
-        return None
-    if not r.ok:
-        raise TransferError(f"reading {path}: {r.tail()}", host=t.host.name)
-    try:
-        return json.loads(r.stdout)
-    except ValueError as e:
-        raise TransferError(f"{path} is not valid JSON: {e}", host=t.host.name) from None
-
-
-def write_remote_json(t: Transport, path: str, obj: dict) -> None:
-    """Write obj as JSON on the host (through a local temp file and put, which is atomic)."""
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        local = f.name
-    try:
-        t.put(local, path)
-    finally:
-        os.unlink(local)
 
 
 def _n(x) -> int:
@@ -253,9 +200,6 @@ def bench(host: Host, repo_root: Path, opts: Options, progress: Progress) -> Out
     return _run("bench", host, repo_root, opts, progress)
 
 
-def fetch_results(host: Host, repo_root: Path, opts: Options, progress: Progress) -> Outcome:
-    from .results import fetch_results as fetch
-    return fetch(host, repo_root, opts, progress)
 
 
 # ---- several hosts --------------------------------------------------------------------------------

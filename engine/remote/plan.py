@@ -176,8 +176,8 @@ def plan_deploy(host: Host, lay: Layout, repo_root: Path, opts: Options, n_files
     ]
     if opts.no_build:
         steps[2].skipped = steps[3].skipped = "--no-build"
-    elif not (repo_root / "engine" / "kdtr.py").is_file():
-        steps[3].skipped = "engine/kdtr.py (the bundle generator) is not in the source yet"
+    elif not (repo_root / "engine" / "kdtr" / "__main__.py").is_file():
+        steps[3].skipped = "engine/kdtr/ (the bundle generator) is not in the source yet"
     return Plan("deploy", host.name, host.address, steps,
                 paths={"remote_dir": lay.remote_dir, "src": lay.src, "build": lay.build})
 

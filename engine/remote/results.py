@@ -32,10 +32,12 @@ from pathlib import Path, PurePosixPath
 from . import provenance
 from .errors import KdtError, TransferError, UsageError
 from .inventory import Host
-from .pipeline import Outcome, layout_for, read_remote_json
+from .hostfiles import layout_for, read_remote_json
+from .outcome import Outcome
 from .plan import Options
 from .progress import Progress
-from .transport import Transport, open_transport
+from .connect import open_transport
+from .transport import Transport
 
 MANIFEST = "manifest.json"
 _GIT_LOCK = threading.Lock()  # hosts fetch in parallel threads; git has one index

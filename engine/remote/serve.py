@@ -1,4 +1,4 @@
-"""`invoke serve --host H`: start our server (engine/serve.py) on a host and print its URL.
+"""`invoke serve --host H`: start our server (engine/serving/server.py) on a host and print its URL.
 
     info = start_server(host, mode="ddtree", budget=63, port=8000)
     info.url   # http://127.0.0.1:8000 on the host (ssh -L 8000:127.0.0.1:8000 user@host to reach
@@ -6,7 +6,7 @@
 
 Runs against what `invoke deploy` put on the host: <remote_dir>/src (the package) and
 <remote_dir>/build/<arch>/libkdtree.so. Weights: `weights` (a host path), else the tiny model
-in <remote_dir>/weights/tiny, created there once by `python -m engine.model init`. The server
+in <remote_dir>/weights/tiny, created there once by `python -m engine.cli.model init`. The server
 starts detached (transport.spawn_detached: setsid + nohup; it outlives the connection), binds
 127.0.0.1 on the host, and logs to <remote_dir>/serve/serve-<port>-<id>.log; start_server returns once
 GET /health answers 200 on the host, or raises with the log's tail if the server exits first.
@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from .errors import ConfigError, KdtError, TransferError, UsageError
 from .inventory import Host
 from .plan import Layout, python_env
-from .transport import Transport, open_transport
+from .connect import open_transport
+from .transport import Transport
 
 HEALTH_WAIT_S = 300.0  # engine creation, drafter load and a CUDA context on a busy host
 
@@ -72,7 +73,7 @@ class ServeInfo:
 
 
 def _check(t: Transport, host: Host, lay: Layout) -> None:
-    r = t.run(f"test -f {shlex.quote(lay.src)}/engine/serve.py && test -f {shlex.quote(lay.lib)}",
+    r = t.run(f"test -f {shlex.quote(lay.src)}/engine/serving/server.py && test -f {shlex.quote(lay.lib)}",
               timeout=host.timeouts.connect)
     if not r.ok:
         raise UsageError(f"no deployed engine at {lay.src} with {lay.lib}", host=host.name,
@@ -89,7 +90,7 @@ def _weights(t: Transport, host: Host, lay: Layout, weights: str | None) -> str:
     path = f"{lay.remote_dir}/weights/tiny"
     if t.run(f"test -f {shlex.quote(path)}/config.json", timeout=host.timeouts.connect).ok:
         return path
-    r = t.run([host.python, "-m", "engine.model", "init", "--out", path], cwd=lay.src,
+    r = t.run([host.python, "-m", "engine.cli.model", "init", "--out", path], cwd=lay.src,
               env=python_env(lay), timeout=host.timeouts.build)
     if not r.ok:
         raise ServerFailed(f"creating the tiny weights in {path} failed: {r.tail(5)}",
@@ -114,7 +115,7 @@ def start_server(host: Host, *, mode: str = "ddtree", budget: int = 63, port: in
         w = _weights(t, host, lay, weights)
         iid = uuid.uuid4().hex
         log = f"{lay.remote_dir}/serve/serve-{port}-{iid[:8]}.log"
-        argv = [host.python, "-m", "engine.serve", "--weights", w, "--mode", mode, "--budget",
+        argv = [host.python, "-m", "engine.serving", "--weights", w, "--mode", mode, "--budget",
                 str(budget), "--port", str(port), "--bind", "127.0.0.1", "--device", device,
                 "--max-batch", str(max_batch), "--instance-id", iid]
         pid = t.spawn_detached(argv, cwd=lay.src, env={**python_env(lay), "KDTREE_LIB": lay.lib},

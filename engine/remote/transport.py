@@ -344,11 +344,3 @@ def _copy_atomic(src: Path, dst: Path, host: str, step: str) -> None:
                 os.unlink(tmp)
     except OSError as exc:
         raise TransferError(f"{step}: {src} -> {dst}: {exc.strerror or exc}", host=host, step=step) from None
-
-
-def open_transport(host: Host, *, accept_new_host_key: bool = False) -> Transport:
-    """The transport for `host`; SSH hosts are connected (and their host key checked) here."""
-    if host.transport == "local":
-        return LocalTransport(host)
-    from .ssh import SshTransport  # Fabric / Paramiko only when an SSH host is used
-    return SshTransport(host, accept_new_host_key=accept_new_host_key)

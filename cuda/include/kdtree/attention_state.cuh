@@ -1,5 +1,5 @@
 // attention_state.cuh: the online-softmax state and the log-sum-exp merge, shared by the CPU
-// backend (double), the CUDA kernels (float) and mirrored by engine/mla.py's merge_states.
+// backend (double), the CUDA kernels (float) and mirrored by engine/reference/mla.py's merge_states.
 //
 // A state over a set of keys with scores s_j and values v_j is (o, m, d):
 //   m = max_j s_j (-inf when the set is empty), d = sum_j exp(s_j - m), o = sum_j exp(s_j - m) v_j

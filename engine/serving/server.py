@@ -1,10 +1,10 @@
 """OpenAI-compatible HTTP server over the native engine (aiohttp), greedy only.
 
-    python -m engine.serve --weights DIR --mode ar|ddtree --budget 63 --port 8000 \\
+    python -m engine.serving --weights DIR --mode ar|ddtree --budget 63 --port 8000 \\
         --device cpu|cuda [--max-batch 32] [--max-queue 64] [--bind 127.0.0.1] [--debug-hooks]
 
 Endpoints (docs/SERVING.md):
-  POST /v1/completions  prompt as a string (byte tokenizer, engine/tokenizer.py) or token ids;
+  POST /v1/completions  prompt as a string (byte tokenizer, engine/serving/tokenizer.py) or token ids;
                         max_tokens (default 16); stream (server-sent events ending with
                         `data: [DONE]`, stream_options.include_usage for a usage chunk). Each
                         choice carries `token_ids`, the generated ids. Greedy only: a sampling
@@ -17,7 +17,7 @@ Endpoints (docs/SERVING.md):
   POST /debug/resume    admissions and cancellations go on, nothing finishes) / release them
 Errors are JSON `{"error": {"message", "type", "param", "code"}}`: 400 bad request, 404 unknown
 model or path, 429 every slot busy and the queue full, 503 shutting down or the worker died.
-Requests are batched continuously (engine/batcher.py); a client that disconnects frees its slot.
+Requests are batched continuously (engine/serving/batcher.py); a client that disconnects frees its slot.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from pathlib import Path
 
 from aiohttp import web
 
-from engine.batcher import Batcher, Overloaded, Unavailable
-from engine.tokenizer import ByteTokenizer
+from engine.serving.batcher import Batcher, Overloaded, Unavailable
+from engine.serving.tokenizer import ByteTokenizer
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 OWNER = "kdtree-engine"
@@ -311,8 +311,8 @@ async def serve(server: Server, bind: str, port: int, log=sys.stdout) -> None:
 
 
 def limit_cpu_threads(n: int) -> None:
-    """Small matrices: extra BLAS / torch threads only spin (engine.model.limit_blas_threads)."""
-    from engine.model import limit_blas_threads
+    """Small matrices: extra BLAS / torch threads only spin (engine.reference.model.limit_blas_threads)."""
+    from engine.reference.model import limit_blas_threads
 
     limit_blas_threads(n)
     try:
@@ -324,8 +324,8 @@ def limit_cpu_threads(n: int) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m engine.serve", description=__doc__.split("\n")[0])
-    ap.add_argument("--weights", required=True, help="folder from `python -m engine.model init`")
+    ap = argparse.ArgumentParser(prog="python -m engine.serving", description=__doc__.split("\n")[0])
+    ap.add_argument("--weights", required=True, help="folder from `python -m engine.cli.model init`")
     ap.add_argument("--mode", choices=("ar", "ddtree"), default="ddtree")
     ap.add_argument("--budget", type=int, default=63, help="DDTree node budget B")
     ap.add_argument("--port", type=int, default=8000, help="0 picks a free port")
@@ -347,7 +347,7 @@ def main(argv=None) -> int:
         return 5
     if not (Path(args.weights) / "config.json").is_file():
         print(f"error: serve: --weights {args.weights}: no config.json there (python -m "
-              "engine.model init --out DIR writes one)", file=sys.stderr)
+              "engine.reference.model init --out DIR writes one)", file=sys.stderr)
         return 5
     limit_cpu_threads(args.threads)
     try:
@@ -364,7 +364,3 @@ def main(argv=None) -> int:
         server.batcher.stop()
         return 3
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

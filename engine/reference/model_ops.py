@@ -1,7 +1,7 @@
 """The pieces of the reference model (docs/MODEL.md, "The math"), each checked in
 tests/test_model.py against a direct formula: rotary embedding on interleaved pairs with the
 YaRN frequency ramp and magnitude factor, the softmax scale, RMSNorm, SwiGLU, and the DeepSeek-V3
-noaux_tc router. float64 numpy; `cfg` is an engine.model.ModelConfig.
+noaux_tc router. float64 numpy; `cfg` is an engine.reference.model.ModelConfig.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from engine.model import ModelConfig
+    from engine.reference.model import ModelConfig
 
 
 # ---------------------------------------------------------------- rotary, YaRN, softmax scale

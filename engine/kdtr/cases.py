@@ -1,5 +1,5 @@
 """The golden KDTR cases: inputs for tree_build, tree_accept and verify_attention, with the
-expected outputs of the float64 reference (engine.ddtree, engine.mla).
+expected outputs of the float64 reference (engine.reference.ddtree, engine.reference.mla).
 
 `generate(out_dir, quick, seed)` writes out_dir/<kernel>/<case>.kdtr and out_dir/index.json.
 Inputs are fresh random on every generation unless a seed is given; the seed is recorded in
@@ -16,7 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from engine import ddtree, kdtr, mla
+from engine.kdtr import bundle as kdtr
+from engine.reference import ddtree, mla
 
 
 # ---------------------------------------------------------------- input makers

@@ -3,7 +3,7 @@
 Data: random prompts, the target's greedy continuation and its hidden states at every position
 (one prefill over the finished sequence), from the native engine (engine.native.Engine: batched
 prompts, on CUDA when training on CUDA and the library has it, else its CPU backend); only when
-libkdtree is missing, from the float64 reference model (engine.model_decode, ~20x slower), and
+libkdtree is missing, from the float64 reference model (engine.reference.decode, ~20x slower), and
 the log says so. The drafter's config records the data source, steps, seed, the held-out
 accuracy per depth and the sha256 of the target weights (a load beside other weights fails). A sample is a
 round as the decoder sees it: committed length P (P >= the prompt length, so the root is a greedy
@@ -12,7 +12,7 @@ past the end). Loss: cross-entropy per depth, weighted exp(-(d-1)/7) (DFlash's d
 depths decide most of the acceptance); dropout 0.3 on the context features (it lifted held-out
 depth-1 accuracy from 0.39 to 0.41 and the mean acceptance at budget 63 from 2.17 to 2.37).
 
-    python -m engine.drafters train --weights DIR [--steps N] [--sequences N] [--seed S]
+    python -m engine.cli.drafter train --weights DIR [--steps N] [--sequences N] [--seed S]
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import time
 
 import numpy as np
 
-from engine import block_drafter as BD
-from engine.model import Model
-from engine.model_decode import generate
+from engine.drafters import block as BD
+from engine.reference.model import Model
+from engine.reference.decode import generate
 
 IGNORE = -100
 

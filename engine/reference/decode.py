@@ -7,7 +7,7 @@ with far fewer target forwards. One request at a time (batch 1), float64 through
     result.tokens        # int64 [64], the new tokens
     result.stats         # target_forwards (prefill included), rounds, accept_lengths per round
 
-    python -m engine.model_decode --weights DIR [--drafter block|oracle:0.8] [--budget 63]
+    python -m engine.cli.decode --weights DIR [--drafter block|oracle:0.8] [--budget 63]
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import dataclasses
 
 import numpy as np
 
-from engine.model import Model
+from engine.reference.model import Model
 
 
 @dataclasses.dataclass
@@ -87,7 +87,7 @@ def ddtree_round(model: Model, cache, committed: np.ndarray, root: int, hidden_c
     Returns (accepted tokens, root first; the bonus token; the target's hidden states at the
     accepted nodes [len, D]). The cache's committed length grows by len(accepted).
     """
-    from engine import ddtree  # lazily: another area's module
+    from engine.reference import ddtree  # lazily: another area's module
 
     P = cache.length
     if P != len(committed):
@@ -106,74 +106,9 @@ def ddtree_round(model: Model, cache, committed: np.ndarray, root: int, hidden_c
     acc = ddtree.accept_greedy(tree, target_argmax)
     if acc.status[0] != ddtree.ACCEPT_OK:
         raise RuntimeError(f"ddtree_round: accept walk reported status {int(acc.status[0])} "
-                           "on a tree built by engine.ddtree (a bug)")
+                           "on a tree built by engine.reference.ddtree (a bug)")
     length = int(acc.accept_len[0])
     path = acc.accept_index[0, :length].astype(np.int64)
     cache.compact(P, path)
     stats.accept_lengths.append(length)
     return tree.tokens[0, path].tolist(), int(acc.bonus[0]), hidden[path]
-
-
-def main(argv=None) -> int:
-    """python -m engine.model_decode --weights DIR [--drafter block|oracle:Q] [--budget B] ...:
-    AR vs DDTree on random prompts; checks the tokens agree and prints acceptance and forwards."""
-    import argparse
-    import json
-    import sys
-    import time
-
-    from engine.model import ModelFormatError, limit_blas_threads
-
-    ap = argparse.ArgumentParser(prog="python -m engine.model_decode", description=main.__doc__)
-    ap.add_argument("--weights", required=True)
-    ap.add_argument("--drafter", default="block", help="'block' or 'oracle:<quality in [0, 1]>'")
-    ap.add_argument("--budget", type=int, default=15)
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
-    limit_blas_threads(1)
-    from engine import drafters
-
-    try:
-        model = Model.from_dir(args.weights)
-        block = drafters.load_block_drafter(args.weights, backend="numpy") \
-            if args.drafter == "block" else None
-    except (ModelFormatError, OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 5
-    if block is None and not args.drafter.startswith("oracle:"):
-        print(f"error: --drafter {args.drafter!r}: expected 'block' or 'oracle:<quality>'",
-              file=sys.stderr)
-        return 5
-    rng = np.random.default_rng(args.seed)
-    accept, forwards, t_ar, t_dd = [], 0, 0.0, 0.0
-    for i in range(args.prompts):
-        prompt = rng.integers(0, model.cfg.vocab_size, int(rng.integers(1, 48)))
-        t0 = time.monotonic()
-        ar = generate(model, prompt, args.new_tokens)
-        t1 = time.monotonic()
-        drafter = block or drafters.NoisyOracleDrafter(
-            np.concatenate([prompt, ar.tokens]), model.cfg.vocab_size, depth=15,
-            quality=float(args.drafter.split(":", 1)[1]), seed=args.seed + i)
-        dd = generate(model, prompt, args.new_tokens, mode="ddtree", budget=args.budget,
-                      drafter=drafter)
-        t_ar, t_dd = t_ar + t1 - t0, t_dd + time.monotonic() - t1
-        if not (dd.tokens == ar.tokens).all():
-            print(f"error: prompt {i}: DDTree output differs from AR at token "
-                  f"{int(np.argmax(dd.tokens != ar.tokens))}", file=sys.stderr)
-            return 1
-        accept.extend(dd.stats.accept_lengths)
-        forwards += dd.stats.target_forwards
-    print(json.dumps({"drafter": args.drafter, "budget": args.budget, "prompts": args.prompts,
-                      "new_tokens": args.new_tokens, "identical_to_ar": True,
-                      "mean_accept_length": round(float(np.mean(accept)), 4),
-                      "target_forwards_ddtree": forwards,
-                      "target_forwards_ar": args.prompts * args.new_tokens,
-                      "seconds_ar_float64": round(t_ar, 2), "seconds_ddtree_float64": round(t_dd, 2)},
-                     indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

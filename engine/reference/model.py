@@ -3,26 +3,24 @@
 The math is written down in docs/MODEL.md; this module is its executable form. It holds the
 config (DeepSeek-V3 `config.json` keys), seeded random weights with the DeepSeek-V3 Hugging Face
 tensor names, the safetensors round trip, and `Model` (its pieces, rotary / YaRN / router, are
-in engine.model_ops): one forward over n new tokens against a latent KV cache under an arbitrary
+in engine.reference.model_ops): one forward over n new tokens against a latent KV cache under an arbitrary
 visibility mask among the new tokens. Prefill (causal), an AR step (n = 1) and a DDTree verify
-(ancestor-only) are all that one forward. Decoding loops live in `engine.model_decode`.
+(ancestor-only) are all that one forward. Decoding loops live in `engine.reference.decode`.
 
-    python -m engine.model init [--config FILE] [--seed N] --out DIR
-    python -m engine.model check --weights DIR      # logit spread and greedy diversity
+    python -m engine.cli.model init [--config FILE] [--seed N] --out DIR
+    python -m engine.cli.model check --weights DIR      # logit spread and greedy diversity
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 
-from engine.model_ops import apply_rope, rms_norm, rope_cos_sin, route, softmax_scale, swiglu
+from engine.reference.model_ops import apply_rope, rms_norm, rope_cos_sin, route, softmax_scale, swiglu
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -299,7 +297,7 @@ def load_weights(weights_dir: str | Path) -> tuple[ModelConfig, dict[str, np.nda
             weight_map = {k: WEIGHTS_FILE for k in f.keys()}
     else:
         raise ModelFormatError(f"{d}: neither {WEIGHTS_FILE} nor {INDEX_FILE} found "
-                               f"(create one with: python -m engine.model init --out {d})")
+                               f"(create one with: python -m engine.cli.model init --out {d})")
     missing = [k for k in shapes if k not in weight_map]
     if missing:
         raise ModelFormatError(f"{d}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
@@ -369,7 +367,7 @@ def _attend_latent(q_lat, q_pe, ckv, kpe, prefix_len, vis, scale):
     q_lat [n, H, r], q_pe [n, H, dr], ckv [P+n, r], kpe [P+n, dr], vis bool [n, n] (row i sees
     new row j iff vis[i, j]). Returns the latent output [n, H, r]: softmax-weighted sums of c_kv.
     """
-    from engine import mla  # lazily: another area's module (docs/DEVELOPING.md, engine.mla)
+    from engine.reference import mla  # lazily: another area's module (docs/DEVELOPING.md, engine.reference.mla)
 
     out, _lse = mla.tree_verify_attention(
         q_lat, q_pe, ckv[:prefix_len], kpe[:prefix_len], ckv[prefix_len:], kpe[prefix_len:],
@@ -501,7 +499,7 @@ def limit_blas_threads(n: int = 1) -> bool:
 
 def greedy(model: Model, prompt_ids, max_new_tokens: int) -> tuple[np.ndarray, np.ndarray]:
     """Plain greedy AR decode (prefill, then one token per forward). Returns (new tokens [T] int64,
-    the logits [T, V] that chose them). The decoding loops with stats are in engine.model_decode."""
+    the logits [T, V] that chose them). The decoding loops with stats are in engine.reference.decode."""
     prompt_ids = np.asarray(prompt_ids, dtype=np.int64)
     cache = model.new_cache(len(prompt_ids) + max_new_tokens)
     logits, _ = model.forward(prompt_ids, np.arange(len(prompt_ids)), cache)
@@ -542,36 +540,3 @@ def check(model: Model, n_prompts: int = 8, new_tokens: int = 48, seed: int = 0)
             "distinct_tokens_per_sequence_mean": float(np.mean(distinct)),
             "longest_repeat_run_max": int(max(longest_run)),
             "new_tokens": new_tokens}
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m engine.model", description=__doc__.split("\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    a = sub.add_parser("init", help="write config.json + model.safetensors (+ the drafter) to DIR")
-    a.add_argument("--config", help="a config.json to use instead of the tiny default")
-    a.add_argument("--seed", type=int, default=0)
-    a.add_argument("--out", required=True)
-    a.add_argument("--no-drafter", action="store_true", help="skip the block drafter's weights")
-    c = sub.add_parser("check", help="print logit spread and greedy diversity of DIR's model")
-    c.add_argument("--weights", required=True)
-    args = ap.parse_args(argv)
-    limit_blas_threads(1)
-    try:
-        if args.cmd == "init":
-            cfg = load_config(args.config) if args.config else tiny_config()
-            save_weights(args.out, cfg, init_weights(cfg, args.seed))
-            print(f"wrote {Path(args.out) / CONFIG_FILE} and {Path(args.out) / WEIGHTS_FILE}")
-            if not args.no_drafter:
-                from engine import drafters
-                paths = drafters.init_block_drafter(args.out, seed=args.seed + 1)
-                print("wrote " + " and ".join(str(p) for p in paths))
-        else:
-            print(json.dumps(check(Model.from_dir(args.weights)), indent=2))
-    except (ModelFormatError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 5
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

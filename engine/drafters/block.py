@@ -46,7 +46,7 @@ class DrafterConfig:
     # sha256 of the target weights the drafter was made for (target_sha256()): load() refuses
     # the drafter beside other target weights ("" = unbound: not checked; tests' bare configs).
     target_sha256: str = ""
-    # The last training run (engine.drafter_train.train): data source, steps, seed, sequences,
+    # The last training run (engine.training.drafter.train): data source, steps, seed, sequences,
     # held-out top-1 accuracy per depth, seconds. None for seeded random weights.
     training: dict | None = None
 
@@ -140,12 +140,12 @@ def save(weights_dir, cfg: DrafterConfig, weights: dict[str, np.ndarray]) -> tup
 
 def load(weights_dir) -> tuple[DrafterConfig, dict[str, np.ndarray]]:
     """Config and float32 weights; an error names the file and the missing or misshapen tensor."""
-    from engine.model import read_safetensors
+    from engine.reference.model import read_safetensors
 
     d = Path(weights_dir)
     if not (d / CONFIG_FILE).exists():
         raise FileNotFoundError(f"{d / CONFIG_FILE}: no block drafter here "
-                                f"(create one with: python -m engine.model init --out {d})")
+                                f"(create one with: python -m engine.cli.model init --out {d})")
     cfg = DrafterConfig.from_dict(json.loads((d / CONFIG_FILE).read_text()), str(d / CONFIG_FILE))
     weights = {k: v.astype(np.float32) for k, v in read_safetensors(d / WEIGHTS_FILE).items()}
     shapes = tensor_shapes(cfg)
@@ -174,7 +174,7 @@ def init_block_drafter(weights_dir, seed: int = 1) -> tuple[Path, Path]:
     As DFlash shares the target's embedding and LM head, the drafter starts from copies of the
     target's `model.embed_tokens`, `lm_head` and `model.norm` weights (stored in its own file, so
     training may move them); everything else is seeded random."""
-    from engine.model import load_weights
+    from engine.reference.model import load_weights
 
     tcfg, tw = load_weights(weights_dir)
     D = tcfg.hidden_size
@@ -314,7 +314,7 @@ class BlockDrafter:
             return self.net(h[None], valid, root_t)[0]
 
     def draft(self, committed, root, hidden, k):
-        from engine.drafters import topk_from_logits
+        from engine.drafters.topk import topk_from_logits
 
         logits = self.logits(hidden, root)
         if self.backend == "numpy":
