@@ -163,7 +163,10 @@ struct BundleShapes {
   // Binds `name` to the case metadata's integer of the same name, which must lie in [lo, hi].
   bool param(const std::string& name, int64_t lo, int64_t hi) {
     int64_t v = 0;
-    if (f.case_int(name, &v) != KDT_OK) return fail(f.error());
+    if (f.case_int(name, &v) != KDT_OK) {  // the reader's message names the file already
+      if (err.empty()) err = f.error();
+      return false;
+    }
     if (v < lo || v > hi)
       return fail("case " + name + " = " + std::to_string(v) + " is outside [" + std::to_string(lo) +
                   ", " + std::to_string(hi) + "]");
