@@ -1,6 +1,6 @@
 // kdtr_reader.cpp: the strict safetensors / KDTR reader declared in kdtree/kdtr.hpp.
-// The JSON header is parsed by a small recursive-descent parser (depth-limited, so hostile
-// nesting cannot overflow the stack) that keeps only what safetensors headers contain.
+// The JSON header is checked by a small recursive-descent lexer (depth-limited, so hostile
+// nesting cannot overflow the stack; see Lexer for the two passes and their bounds).
 #include "kdtree/kdtr.hpp"
 
 #include <algorithm>
@@ -28,83 +28,57 @@ constexpr DTypeName kDTypes[] = {
     {DType::I64, "I64", 8},   {DType::U64, "U64", 8}, {DType::F64, "F64", 8},
 };
 
-constexpr uint64_t kMaxHeader = 100ull << 20;  // the safetensors library's own limit (100 MB)
-constexpr int kMaxDepth = 16;
-
-// ---- a minimal JSON value and parser ------------------------------------------------------
-struct Json {
-  enum Kind { Null, Bool, Number, String, Array, Object } kind = Null;
-  std::string str;                                   // String; Number keeps its source text
-  std::vector<Json> items;                           // Array
-  std::vector<std::pair<std::string, Json>> fields;  // Object, in file order
-};
-
-class Parser {
+// ---- a minimal JSON lexer -----------------------------------------------------------------
+// The header is read in two passes over the same bytes, neither of which builds a tree:
+//  1. check(): the whole header must be well-formed JSON, at most kMaxJsonDepth deep, with at
+//     most max_values values and no array longer than max_array (allocates nothing);
+//  2. SafetensorsFile::open walks the (now known to be well-formed) header with the schema in
+//     mind, storing each tensor straight into a TensorInfo, and refuses a shape as soon as it
+//     is longer than kMaxRank, before allocating more.
+// Memory is therefore the header plus O(tensors * kMaxRank), and time is linear in the header.
+class Lexer {
  public:
-  Parser(const char* s, size_t n) : s_(s), n_(n) {}
-  bool parse(Json* out, std::string* err) {
-    if (!value(out, 0)) { *err = err_; return false; }
+  Lexer(const char* s, size_t n, size_t max_values, size_t max_array)
+      : s_(s), n_(n), max_values_(max_values), max_array_(max_array) {}
+
+  bool check(std::string* err) {
+    if (!skip_value(0)) { *err = err_; return false; }
     ws();
     if (i_ != n_) { *err = at("trailing characters after the JSON object"); return false; }
     return true;
   }
+  const std::string& error() const { return err_; }
 
- private:
-  std::string at(const std::string& what) const {
-    return "malformed JSON header at byte " + std::to_string(i_) + ": " + what;
-  }
-  bool fail(const std::string& what) { err_ = at(what); return false; }
   void ws() { while (i_ < n_ && (s_[i_] == ' ' || s_[i_] == '\t' || s_[i_] == '\n' || s_[i_] == '\r')) ++i_; }
-  bool lit(const char* w) {
-    const size_t k = std::strlen(w);
-    if (n_ - i_ < k || std::memcmp(s_ + i_, w, k) != 0) return fail("unexpected token");
-    i_ += k;
+  // Skips whitespace; true when the next character is c.
+  bool peek(char c) { ws(); return i_ < n_ && s_[i_] == c; }
+  bool eat(char c) {
+    if (!peek(c)) return fail(std::string("expected '") + c + "'");
+    ++i_;
     return true;
   }
-  bool value(Json* v, int depth) {
-    if (depth > kMaxDepth) return fail("nesting deeper than 16 levels");
-    ws();
-    if (i_ >= n_) return fail("unexpected end of header");
-    const char c = s_[i_];
-    if (c == '{') return object(v, depth);
-    if (c == '[') return array(v, depth);
-    if (c == '"') { v->kind = Json::String; return string(&v->str); }
-    if (c == 't') { v->kind = Json::Bool; v->str = "true"; return lit("true"); }
-    if (c == 'f') { v->kind = Json::Bool; v->str = "false"; return lit("false"); }
-    if (c == 'n') { v->kind = Json::Null; return lit("null"); }
-    if (c == '-' || (c >= '0' && c <= '9')) return number(v);
-    return fail(std::string("unexpected character '") + c + "'");
-  }
-  bool number(Json* v) {
-    const size_t b = i_;
-    if (s_[i_] == '-') ++i_;
-    while (i_ < n_ && ((s_[i_] >= '0' && s_[i_] <= '9') || s_[i_] == '.' || s_[i_] == 'e' ||
-                       s_[i_] == 'E' || s_[i_] == '+' || s_[i_] == '-'))
-      ++i_;
-    if (i_ == b || (i_ == b + 1 && s_[b] == '-')) return fail("malformed number");
-    v->kind = Json::Number;
-    v->str.assign(s_ + b, i_ - b);
-    return true;
-  }
+  // A string (the next character must be '"') into out, or skipped when out is null.
   bool string(std::string* out) {
+    if (!peek('"')) return fail("expected a string");
     ++i_;  // opening quote
-    out->clear();
+    if (out) out->clear();
+    auto put = [out](char c) { if (out) out->push_back(c); };
     while (i_ < n_) {
       const unsigned char c = (unsigned char)s_[i_++];
       if (c == '"') return true;
       if (c < 0x20) return fail("control character inside a string");
-      if (c != '\\') { out->push_back((char)c); continue; }
+      if (c != '\\') { put((char)c); continue; }
       if (i_ >= n_) break;
       const char e = s_[i_++];
       switch (e) {
-        case '"': out->push_back('"'); break;
-        case '\\': out->push_back('\\'); break;
-        case '/': out->push_back('/'); break;
-        case 'b': out->push_back('\b'); break;
-        case 'f': out->push_back('\f'); break;
-        case 'n': out->push_back('\n'); break;
-        case 'r': out->push_back('\r'); break;
-        case 't': out->push_back('\t'); break;
+        case '"': put('"'); break;
+        case '\\': put('\\'); break;
+        case '/': put('/'); break;
+        case 'b': put('\b'); break;
+        case 'f': put('\f'); break;
+        case 'n': put('\n'); break;
+        case 'r': put('\r'); break;
+        case 't': put('\t'); break;
         case 'u': {
           if (n_ - i_ < 4) return fail("truncated \\u escape");
           unsigned cp = 0;
@@ -118,9 +92,9 @@ class Parser {
           }
           // Encode as UTF-8 (surrogate pairs are kept as two 3-byte sequences: names and
           // metadata of our files are ASCII; this only has to be safe, not pretty).
-          if (cp < 0x80) out->push_back((char)cp);
-          else if (cp < 0x800) { out->push_back((char)(0xC0 | (cp >> 6))); out->push_back((char)(0x80 | (cp & 0x3F))); }
-          else { out->push_back((char)(0xE0 | (cp >> 12))); out->push_back((char)(0x80 | ((cp >> 6) & 0x3F))); out->push_back((char)(0x80 | (cp & 0x3F))); }
+          if (cp < 0x80) put((char)cp);
+          else if (cp < 0x800) { put((char)(0xC0 | (cp >> 6))); put((char)(0x80 | (cp & 0x3F))); }
+          else { put((char)(0xE0 | (cp >> 12))); put((char)(0x80 | ((cp >> 6) & 0x3F))); put((char)(0x80 | (cp & 0x3F))); }
           break;
         }
         default: return fail(std::string("bad escape '\\") + e + "'");
@@ -128,14 +102,69 @@ class Parser {
     }
     return fail("unterminated string");
   }
-  bool array(Json* v, int depth) {
-    v->kind = Json::Array;
+  // Skips one value of any kind; *text is its source text (for numbers: the number itself).
+  bool value_text(std::string* text) {
+    ws();
+    const size_t b = i_;
+    if (!skip_value(0)) return false;
+    text->assign(s_ + b, i_ - b);
+    return true;
+  }
+  // Skips one value, validating it (see check()).
+  bool skip_value(int depth) {
+    if (depth > kMaxJsonDepth) return fail("nesting deeper than " + std::to_string(kMaxJsonDepth) + " levels");
+    if (max_values_ && ++values_ > max_values_)
+      return over_limit("more than " + std::to_string(max_values_) + " JSON values (" +
+                  std::to_string(kMaxTensors) + " tensors of rank <= " + std::to_string(kMaxRank) +
+                  " need fewer)");
+    ws();
+    if (i_ >= n_) return fail("unexpected end of header");
+    const char c = s_[i_];
+    if (c == '{') return skip_object(depth);
+    if (c == '[') return skip_array(depth);
+    if (c == '"') return string(nullptr);
+    if (c == 't') return lit("true");
+    if (c == 'f') return lit("false");
+    if (c == 'n') return lit("null");
+    if (c == '-' || (c >= '0' && c <= '9')) return number();
+    return fail(std::string("unexpected character '") + c + "'");
+  }
+  std::string at(const std::string& what) const {
+    return "malformed JSON header at byte " + std::to_string(i_) + ": " + what;
+  }
+
+ private:
+  bool fail(const std::string& what) { err_ = at(what); return false; }
+  // A limit of the reader, not a syntax error.
+  bool over_limit(const std::string& what) {
+    err_ = "header refused at byte " + std::to_string(i_) + ": " + what;
+    return false;
+  }
+  bool lit(const char* w) {
+    const size_t k = std::strlen(w);
+    if (n_ - i_ < k || std::memcmp(s_ + i_, w, k) != 0) return fail("unexpected token");
+    i_ += k;
+    return true;
+  }
+  bool number() {
+    const size_t b = i_;
+    if (s_[i_] == '-') ++i_;
+    while (i_ < n_ && ((s_[i_] >= '0' && s_[i_] <= '9') || s_[i_] == '.' || s_[i_] == 'e' ||
+                       s_[i_] == 'E' || s_[i_] == '+' || s_[i_] == '-'))
+      ++i_;
+    if (i_ == b || (i_ == b + 1 && s_[b] == '-')) return fail("malformed number");
+    return true;
+  }
+  bool skip_array(int depth) {
     ++i_;
     ws();
     if (i_ < n_ && s_[i_] == ']') { ++i_; return true; }
-    for (;;) {
-      v->items.emplace_back();
-      if (!value(&v->items.back(), depth + 1)) return false;
+    for (size_t count = 1;; ++count) {
+      if (max_array_ && count > max_array_)
+        return over_limit("an array longer than " + std::to_string(max_array_) +
+                    " elements (a shape has at most " + std::to_string(kMaxRank) +
+                    " dimensions, data_offsets 2 entries)");
+      if (!skip_value(depth + 1)) return false;
       ws();
       if (i_ >= n_) return fail("unterminated array");
       if (s_[i_] == ',') { ++i_; continue; }
@@ -143,21 +172,18 @@ class Parser {
       return fail("expected ',' or ']' in an array");
     }
   }
-  bool object(Json* v, int depth) {
-    v->kind = Json::Object;
+  bool skip_object(int depth) {
     ++i_;
     ws();
     if (i_ < n_ && s_[i_] == '}') { ++i_; return true; }
     for (;;) {
       ws();
       if (i_ >= n_ || s_[i_] != '"') return fail("expected a string key in an object");
-      std::string key;
-      if (!string(&key)) return false;
+      if (!string(nullptr)) return false;
       ws();
       if (i_ >= n_ || s_[i_] != ':') return fail("expected ':' after a key");
       ++i_;
-      v->fields.emplace_back(std::move(key), Json());
-      if (!value(&v->fields.back().second, depth + 1)) return false;
+      if (!skip_value(depth + 1)) return false;
       ws();
       if (i_ >= n_) return fail("unterminated object");
       if (s_[i_] == ',') { ++i_; continue; }
@@ -168,14 +194,21 @@ class Parser {
 
   const char* s_;
   size_t n_, i_ = 0;
+  size_t max_values_, max_array_, values_ = 0;
   std::string err_;
 };
 
-// A non-negative integer that fits in int64 (shape dims, offsets); false otherwise.
-bool as_u63(const Json& v, uint64_t* out) {
-  if (v.kind != Json::Number || v.str.empty() || v.str.size() > 19) return false;
+// Every value a valid header can hold: per tensor its object, dtype, shape and its dims, the
+// offsets and their two numbers; plus __metadata__ and its strings. More is refused unread.
+constexpr size_t kMaxHeaderValues =
+    1 + kMaxTensors * (1 + 1 + (1 + kMaxRank) + 3) + 1 + kMaxMetadataKeys;
+
+// A non-negative integer that fits in int64 (shape dims, offsets), from a number's source text;
+// false otherwise.
+bool as_u63(const std::string& s, uint64_t* out) {
+  if (s.empty() || s.size() > 19) return false;
   uint64_t x = 0;
-  for (char c : v.str) {
+  for (char c : s) {
     if (c < '0' || c > '9') return false;
     x = x * 10 + (uint64_t)(c - '0');
   }
@@ -183,6 +216,9 @@ bool as_u63(const Json& v, uint64_t* out) {
   *out = x;
   return true;
 }
+
+// At most 40 characters of a value's text, for messages.
+std::string excerpt(const std::string& s) { return s.size() <= 40 ? s : s.substr(0, 37) + "..."; }
 
 struct FileCloser {
   void operator()(std::FILE* f) const { if (f) std::fclose(f); }
@@ -239,9 +275,20 @@ kdt_status SafetensorsFile::fail(kdt_status s, const std::string& what) {
 kdt_status SafetensorsFile::open(const std::string& path) {
   path_ = path;
   error_.clear();
+  const kdt_status s = open_header();
+  if (s != KDT_OK) {  // a refused file leaves nothing half-read behind
+    tensors_.clear();
+    index_.clear();
+    metadata_.clear();
+  }
+  return s;
+}
+
+kdt_status SafetensorsFile::open_header() {
   tensors_.clear();
+  index_.clear();
   metadata_.clear();
-  std::unique_ptr<std::FILE, FileCloser> f(std::fopen(path.c_str(), "rb"));
+  std::unique_ptr<std::FILE, FileCloser> f(std::fopen(path_.c_str(), "rb"));
   if (!f) return fail(KDT_ERR_IO, std::string("cannot open: ") + std::strerror(errno));
   if (std::fseek(f.get(), 0, SEEK_END) != 0) return fail(KDT_ERR_IO, "cannot seek to the end");
   const long size = std::ftell(f.get());
@@ -255,7 +302,7 @@ kdt_status SafetensorsFile::open(const std::string& path) {
   if (std::fread(lenbuf, 1, 8, f.get()) != 8) return fail(KDT_ERR_IO, "cannot read the header length");
   uint64_t hlen = 0;
   for (int k = 7; k >= 0; --k) hlen = (hlen << 8) | lenbuf[k];  // little-endian
-  if (hlen > kMaxHeader)
+  if (hlen > kMaxHeaderBytes)
     return fail(KDT_ERR_FORMAT, "header length " + std::to_string(hlen) +
                                     " is larger than the 100 MB limit (corrupted length?)");
   if (hlen > file_size_ - 8)
@@ -269,84 +316,133 @@ kdt_status SafetensorsFile::open(const std::string& path) {
   data_start_ = 8 + hlen;
   const uint64_t data_size = file_size_ - data_start_;
 
-  Json root;
+  // Pass 1: well-formed, shallow, and small enough for the limits (nothing is allocated).
   std::string err;
-  if (!Parser(header.data(), header.size()).parse(&root, &err)) return fail(KDT_ERR_FORMAT, err);
-  if (root.kind != Json::Object) return fail(KDT_ERR_FORMAT, "the JSON header is not an object");
+  if (!Lexer(header.data(), header.size(), kMaxHeaderValues, kMaxRank).check(&err))
+    return fail(KDT_ERR_FORMAT, err);
 
-  for (const auto& kv : root.fields) {
-    const std::string& name = kv.first;
-    const Json& v = kv.second;
+  // Pass 2: the schema. The JSON is well-formed now, so a failed eat() or string() below cannot
+  // happen; they still return an error rather than trust pass 1.
+  Lexer p(header.data(), header.size(), 0, 0);
+  auto malformed = [&] { return fail(KDT_ERR_FORMAT, p.error()); };
+  if (!p.peek('{')) return fail(KDT_ERR_FORMAT, "the JSON header is not an object");
+  p.eat('{');
+  bool seen_metadata = false;
+  std::string name, field, text;
+  if (p.peek('}')) p.eat('}');
+  else for (;;) {
+    if (!p.string(&name) || !p.eat(':')) return malformed();
     if (name == "__metadata__") {
-      if (v.kind != Json::Object) return fail(KDT_ERR_FORMAT, "__metadata__ is not an object");
-      for (const auto& m : v.fields) {
-        if (m.second.kind != Json::String)
-          return fail(KDT_ERR_FORMAT, "__metadata__[\"" + m.first + "\"] is not a string");
-        if (!metadata_.emplace(m.first, m.second.str).second)
-          return fail(KDT_ERR_FORMAT, "__metadata__ has the key \"" + m.first + "\" twice");
+      if (seen_metadata) return fail(KDT_ERR_FORMAT, "__metadata__ appears twice in the header");
+      seen_metadata = true;
+      if (!p.peek('{')) return fail(KDT_ERR_FORMAT, "__metadata__ is not an object");
+      p.eat('{');
+      if (p.peek('}')) p.eat('}');
+      else for (;;) {
+        std::string key, value;
+        if (!p.string(&key) || !p.eat(':')) return malformed();
+        if (!p.peek('"')) return fail(KDT_ERR_FORMAT, "__metadata__[\"" + key + "\"] is not a string");
+        if (!p.string(&value)) return malformed();
+        if (metadata_.size() == kMaxMetadataKeys)
+          return fail(KDT_ERR_FORMAT, "__metadata__ has more than " + std::to_string(kMaxMetadataKeys) +
+                                          " keys (the reader's limit)");
+        if (!metadata_.emplace(key, std::move(value)).second)
+          return fail(KDT_ERR_FORMAT, "__metadata__ has the key \"" + key + "\" twice");
+        if (p.peek(',')) { p.eat(','); continue; }
+        if (!p.eat('}')) return malformed();
+        break;
       }
-      continue;
-    }
-    const std::string where = "tensor \"" + name + "\": ";
-    if (v.kind != Json::Object) return fail(KDT_ERR_FORMAT, where + "entry is not an object");
-    TensorInfo t;
-    t.name = name;
-    bool has_dtype = false, has_shape = false, has_offsets = false;
-    for (const auto& fld : v.fields) {
-      const Json& x = fld.second;
-      if (fld.first == "dtype") {
-        if (x.kind != Json::String) return fail(KDT_ERR_FORMAT, where + "dtype is not a string");
-        if (!dtype_from_name(x.str, &t.dtype))
-          return fail(KDT_ERR_FORMAT, where + "unknown dtype \"" + x.str + "\"");
-        has_dtype = true;
-      } else if (fld.first == "shape") {
-        if (x.kind != Json::Array) return fail(KDT_ERR_FORMAT, where + "shape is not an array");
-        for (const Json& d : x.items) {
-          uint64_t dim;
-          if (!as_u63(d, &dim))
-            return fail(KDT_ERR_FORMAT, where + "shape entry \"" + d.str + "\" is not a non-negative integer");
-          t.shape.push_back((int64_t)dim);
+    } else {
+      const std::string where = "tensor \"" + name + "\": ";
+      if (tensors_.size() == kMaxTensors)
+        return fail(KDT_ERR_FORMAT, "more than " + std::to_string(kMaxTensors) +
+                                        " tensors (the reader's limit)");
+      if (!index_.emplace(name, tensors_.size()).second)
+        return fail(KDT_ERR_FORMAT, where + "appears twice in the header");
+      if (!p.peek('{')) return fail(KDT_ERR_FORMAT, where + "entry is not an object");
+      p.eat('{');
+      TensorInfo t;
+      t.name = name;
+      bool has_dtype = false, has_shape = false, has_offsets = false;
+      if (p.peek('}')) p.eat('}');
+      else for (;;) {
+        if (!p.string(&field) || !p.eat(':')) return malformed();
+        bool* seen = field == "dtype" ? &has_dtype : field == "shape" ? &has_shape
+                   : field == "data_offsets" ? &has_offsets : nullptr;
+        if (!seen) return fail(KDT_ERR_FORMAT, where + "unknown field \"" + field + "\"");
+        if (*seen) return fail(KDT_ERR_FORMAT, where + "field \"" + field + "\" appears twice");
+        *seen = true;
+        if (field == "dtype") {
+          if (!p.peek('"')) return fail(KDT_ERR_FORMAT, where + "dtype is not a string");
+          if (!p.string(&text)) return malformed();
+          if (!dtype_from_name(text, &t.dtype))
+            return fail(KDT_ERR_FORMAT, where + "unknown dtype \"" + excerpt(text) + "\"");
+        } else if (field == "shape") {
+          if (!p.peek('[')) return fail(KDT_ERR_FORMAT, where + "shape is not an array");
+          p.eat('[');
+          if (p.peek(']')) p.eat(']');
+          else for (;;) {
+            if (t.shape.size() == kMaxRank)  // pass 1 already refuses longer arrays
+              return fail(KDT_ERR_FORMAT, where + "shape has more than " + std::to_string(kMaxRank) +
+                                              " dimensions (the reader's limit)");
+            uint64_t dim;
+            if (!p.value_text(&text)) return malformed();
+            if (!as_u63(text, &dim))
+              return fail(KDT_ERR_FORMAT, where + "shape entry \"" + excerpt(text) +
+                                              "\" is not a non-negative integer");
+            t.shape.push_back((int64_t)dim);
+            if (p.peek(',')) { p.eat(','); continue; }
+            if (!p.eat(']')) return malformed();
+            break;
+          }
+        } else {  // data_offsets
+          bool ok = p.peek('[');
+          std::string a, b;
+          if (ok) {
+            p.eat('[');
+            ok = p.value_text(&a) && p.peek(',') && p.eat(',') && p.value_text(&b) && p.peek(']') &&
+                 p.eat(']') && as_u63(a, &t.begin) && as_u63(b, &t.end);
+          }
+          if (!ok)
+            return fail(KDT_ERR_FORMAT, where + "data_offsets is not [begin, end] of non-negative integers");
         }
-        has_shape = true;
-      } else if (fld.first == "data_offsets") {
-        if (x.kind != Json::Array || x.items.size() != 2 || !as_u63(x.items[0], &t.begin) ||
-            !as_u63(x.items[1], &t.end))
-          return fail(KDT_ERR_FORMAT, where + "data_offsets is not [begin, end] of non-negative integers");
-        has_offsets = true;
-      } else {
-        return fail(KDT_ERR_FORMAT, where + "unknown field \"" + fld.first + "\"");
+        if (p.peek(',')) { p.eat(','); continue; }
+        if (!p.eat('}')) return malformed();
+        break;
       }
+      if (!has_dtype || !has_shape || !has_offsets)
+        return fail(KDT_ERR_FORMAT, where + "missing " +
+                                        (!has_dtype ? "dtype" : !has_shape ? "shape" : "data_offsets"));
+      if (t.begin > t.end)
+        return fail(KDT_ERR_FORMAT, where + "data_offsets [" + std::to_string(t.begin) + ", " +
+                                        std::to_string(t.end) + "] run backwards");
+      if (t.end > data_size)
+        return fail(KDT_ERR_FORMAT, where + "data_offsets end " + std::to_string(t.end) +
+                                        " is past the data section (" + std::to_string(data_size) +
+                                        " bytes)");
+      // numel * element size, with overflow checks (a hostile shape must not wrap around).
+      uint64_t bytes = dtype_size(t.dtype);
+      for (int64_t d : t.shape) {
+        if (d != 0 && bytes > UINT64_MAX / (uint64_t)d)
+          return fail(KDT_ERR_FORMAT, where + "shape overflows 64-bit byte counts");
+        bytes *= (uint64_t)d;
+      }
+      if (bytes != t.nbytes())
+        return fail(KDT_ERR_FORMAT, where + "shape and dtype " + dtype_name(t.dtype) + " give " +
+                                        std::to_string(bytes) + " bytes but data_offsets span " +
+                                        std::to_string(t.nbytes()));
+      tensors_.push_back(std::move(t));
     }
-    if (!has_dtype || !has_shape || !has_offsets)
-      return fail(KDT_ERR_FORMAT, where + "missing " +
-                                      (!has_dtype ? "dtype" : !has_shape ? "shape" : "data_offsets"));
-    if (t.begin > t.end)
-      return fail(KDT_ERR_FORMAT, where + "data_offsets [" + std::to_string(t.begin) + ", " +
-                                      std::to_string(t.end) + "] run backwards");
-    if (t.end > data_size)
-      return fail(KDT_ERR_FORMAT, where + "data_offsets end " + std::to_string(t.end) +
-                                      " is past the data section (" + std::to_string(data_size) +
-                                      " bytes)");
-    // numel * element size, with overflow checks (a hostile shape must not wrap around).
-    uint64_t bytes = dtype_size(t.dtype);
-    for (int64_t d : t.shape) {
-      if (d != 0 && bytes > UINT64_MAX / (uint64_t)d)
-        return fail(KDT_ERR_FORMAT, where + "shape overflows 64-bit byte counts");
-      bytes *= (uint64_t)d;
-    }
-    if (bytes != t.nbytes())
-      return fail(KDT_ERR_FORMAT, where + "shape and dtype " + dtype_name(t.dtype) + " give " +
-                                      std::to_string(bytes) + " bytes but data_offsets span " +
-                                      std::to_string(t.nbytes()));
-    for (const auto& o : tensors_)
-      if (o.name == name) return fail(KDT_ERR_FORMAT, where + "appears twice in the header");
-    tensors_.push_back(std::move(t));
+    if (p.peek(',')) { p.eat(','); continue; }
+    if (!p.eat('}')) return malformed();
+    break;
   }
 
   // The tensors must tile the data section: no overlap, no gap, nothing left over.
   std::sort(tensors_.begin(), tensors_.end(), [](const TensorInfo& a, const TensorInfo& b) {
     return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
   });
+  for (size_t i = 0; i < tensors_.size(); ++i) index_[tensors_[i].name] = i;
   uint64_t expect = 0;
   for (const auto& t : tensors_) {
     if (t.begin < expect)
@@ -368,9 +464,35 @@ kdt_status SafetensorsFile::open(const std::string& path) {
 }
 
 const TensorInfo* SafetensorsFile::find(const std::string& name) const {
-  for (const auto& t : tensors_)
-    if (t.name == name) return &t;
-  return nullptr;
+  auto it = index_.find(name);
+  return it == index_.end() ? nullptr : &tensors_[it->second];
+}
+
+kdt_status SafetensorsFile::case_int(const std::string& key, int64_t* out) {
+  const std::string where = "metadata case";
+  const std::string c = meta("case");
+  std::string err;
+  // The case is a small flat object; its arrays (e.g. prefix_lens) may be longer than a shape.
+  if (!Lexer(c.data(), c.size(), 1u << 16, 0).check(&err))
+    return fail(KDT_ERR_FORMAT, where + " is not JSON: " + err);
+  Lexer p(c.data(), c.size(), 0, 0);
+  if (!p.peek('{')) return fail(KDT_ERR_FORMAT, where + " is not a JSON object");
+  p.eat('{');
+  std::string k, text;
+  if (!p.peek('}')) for (;;) {
+    if (!p.string(&k) || !p.eat(':') || !p.value_text(&text)) return fail(KDT_ERR_FORMAT, where + ": " + p.error());
+    if (k == key) {
+      const bool neg = !text.empty() && text[0] == '-';
+      uint64_t mag;
+      if (!as_u63(neg ? text.substr(1) : text, &mag))
+        return fail(KDT_ERR_FORMAT, where + "[\"" + key + "\"] = " + excerpt(text) + " is not an integer");
+      *out = neg ? -(int64_t)mag : (int64_t)mag;
+      return KDT_OK;
+    }
+    if (p.peek(',')) { p.eat(','); continue; }
+    break;
+  }
+  return fail(KDT_ERR_FORMAT, where + " has no key \"" + key + "\"");
 }
 
 std::string SafetensorsFile::meta(const std::string& key, const std::string& fallback) const {

@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
@@ -132,6 +133,95 @@ struct DeviceArray {
 template <class T>
 std::string read(kdt::SafetensorsFile& f, const std::string& name, kdt::DType want, std::vector<T>* out) {
   return f.read_as(name, want, out) == KDT_OK ? "" : f.error();
+}
+
+// A bundle's shape contract, checked before any kernel reads its tensors: the reader vouches for
+// each tensor alone (ARCHITECTURE.md "KDTR bundles"), not that `top_ids` has the batch size of
+// `root_ids`; a bundle whose tensors disagree would make a kernel read or write past a buffer.
+// Sizes are named (bs, L, K, ...). A size is bound by the case metadata (param) or by the first
+// tensor that uses it; every later use must agree. Calls chain with &&; the first defect is kept
+// in err, naming the file, the tensor and where the disagreeing size came from.
+//   BundleShapes s(f);
+//   if (!(s.param("bs", 1, 1 << 16) && s.tensor("top_logp", DType::F32, {"bs", "L", "K"}) &&
+//         s.tensor("root_ids", DType::I64, {"bs"}))) return s.err;
+struct BundleShapes {
+  explicit BundleShapes(kdt::SafetensorsFile& file) : f(file) {}
+
+  kdt::SafetensorsFile& f;
+  std::map<std::string, int64_t> size;
+  std::map<std::string, std::string> source;  // where each size was bound
+  std::string err;
+
+  bool fail(const std::string& what) {
+    if (err.empty()) err = f.path() + ": inconsistent bundle: " + what;
+    return false;
+  }
+  int64_t operator[](const std::string& name) const {
+    auto it = size.find(name);
+    return it == size.end() ? -1 : it->second;
+  }
+  // Binds `name` to the case metadata's integer of the same name, which must lie in [lo, hi].
+  bool param(const std::string& name, int64_t lo, int64_t hi) {
+    int64_t v = 0;
+    if (f.case_int(name, &v) != KDT_OK) {  // the reader's message names the file already
+      if (err.empty()) err = f.error();
+      return false;
+    }
+    if (v < lo || v > hi)
+      return fail("case " + name + " = " + std::to_string(v) + " is outside [" + std::to_string(lo) +
+                  ", " + std::to_string(hi) + "]");
+    return bind(name, v, "the case metadata");
+  }
+  // Binds a derived size (e.g. n = budget + 1); a size bound before must agree.
+  bool bind(const std::string& name, int64_t v, const std::string& from) {
+    auto it = size.find(name);
+    if (it == size.end()) {
+      size[name] = v;
+      source[name] = from;
+      return true;
+    }
+    if (it->second == v) return true;
+    return fail(name + " = " + std::to_string(v) + " from " + from + " but " + std::to_string(it->second) +
+                " from " + source[name]);
+  }
+  // Tensor `name` must exist with dtype `want` and one dimension per entry of dims: a size name
+  // (bound here when new) or a decimal constant. Sizes must fit an int32 (the kernels' type).
+  bool tensor(const std::string& name, kdt::DType want, const std::vector<std::string>& dims) {
+    const kdt::TensorInfo* t = f.find(name);
+    if (!t) return fail("tensor " + name + " is missing");
+    if (t->dtype != want)
+      return fail("tensor " + name + " has dtype " + kdt::dtype_name(t->dtype) + ", expected " +
+                  kdt::dtype_name(want));
+    std::string expect = "[", got = "[";
+    for (size_t d = 0; d < dims.size(); ++d) expect += (d ? ", " : "") + dims[d];
+    for (size_t d = 0; d < t->shape.size(); ++d) got += (d ? ", " : "") + std::to_string(t->shape[d]);
+    if (t->shape.size() != dims.size())
+      return fail("tensor " + name + " has shape " + got + "], expected " + expect + "]");
+    for (size_t d = 0; d < dims.size(); ++d) {
+      const int64_t v = t->shape[d];
+      if (v > INT32_MAX) return fail("tensor " + name + " dimension " + std::to_string(d) + " is " + std::to_string(v));
+      const std::string& sym = dims[d];
+      const std::string from = "tensor " + name + " " + got + "]";
+      if (!sym.empty() && sym.find_first_not_of("0123456789") == std::string::npos) {
+        if (v != std::stoll(sym)) return fail(from + ", expected " + expect + "]");
+      } else if (!bind(sym, v, from)) {
+        return false;
+      }
+    }
+    return true;
+  }
+};
+
+// Checks an index-pointer array of bs + 1 entries: starts at 0, never decreases, ends at total;
+// "" or the defect (the kernels index rows with it, so a bad one reads past the buffers).
+inline std::string check_indptr(const std::string& what, const std::vector<int32_t>& p, int64_t total) {
+  if (p.empty() || p[0] != 0) return what + "[0] is not 0";
+  for (size_t b = 0; b + 1 < p.size(); ++b)
+    if (p[b + 1] < p[b])
+      return what + " decreases at " + std::to_string(b + 1) + " (" + std::to_string(p[b]) + " -> " +
+             std::to_string(p[b + 1]) + ")";
+  if (p.back() != total) return what + " ends at " + std::to_string(p.back()) + ", expected " + std::to_string(total);
+  return "";
 }
 
 // Exact comparison of one output; "" or the comparator's description.

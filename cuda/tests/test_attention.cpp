@@ -25,14 +25,8 @@ struct Case {
   std::vector<double> out, lse;  // expected
 };
 
-std::string raw(kdt::SafetensorsFile& f, const std::string& name, kdt::DType want,
-                std::vector<int64_t> shape, std::vector<uint8_t>* out) {
-  const kdt::TensorInfo* t = f.find(name);
-  if (!t) return f.path() + ": tensor " + name + " is missing";
-  if (t->dtype != want)
-    return f.path() + ": " + name + " is " + kdt::dtype_name(t->dtype) + ", q_lat is " + kdt::dtype_name(want);
-  if (t->shape != shape) return f.path() + ": " + name + " has an unexpected shape";
-  out->resize((size_t)t->nbytes());
+std::string raw(kdt::SafetensorsFile& f, const std::string& name, std::vector<uint8_t>* out) {
+  out->resize((size_t)f.find(name)->nbytes());  // BundleShapes checked it exists
   return f.read_raw(name, out->data(), out->size()) == KDT_OK ? "" : f.error();
 }
 
@@ -40,43 +34,63 @@ std::string load(const std::string& path, Case* c) {
   kdt::SafetensorsFile f;
   if (f.open(path) != KDT_OK || f.check_kdtr("verify_attention") != KDT_OK) return f.error();
   const kdt::TensorInfo* q = f.find("q_lat");
-  const kdt::TensorInfo* pe = f.find("q_pe");
-  const kdt::TensorInfo* qi = f.find("q_indptr");
-  if (!q || q->shape.size() != 3 || !pe || pe->shape.size() != 3 || !qi || qi->shape.size() != 1)
-    return path + ": q_lat / q_pe / q_indptr missing or of the wrong rank";
+  if (!q) return path + ": tensor q_lat is missing";
   if (q->dtype != kdt::DType::F32 && q->dtype != kdt::DType::BF16)
     return path + ": q_lat is " + kdt::dtype_name(q->dtype) + ", expected F32 or BF16";
-  c->dtype = q->dtype == kdt::DType::F32 ? KDT_DTYPE_F32 : KDT_DTYPE_BF16;
-  c->total_q = (int32_t)q->shape[0];
-  c->H = (int32_t)q->shape[1];
-  c->dl = (int32_t)q->shape[2];
-  c->dr = (int32_t)pe->shape[2];
-  c->bs = (int32_t)qi->shape[0] - 1;
-  const kdt::TensorInfo* kv = f.find("kv_cache");
-  const kdt::TensorInfo* vis = f.find("visibility");
-  if (!kv || kv->shape.size() != 2 || !vis || vis->shape.size() != 2)
-    return path + ": kv_cache / visibility missing or of the wrong rank";
-  c->total_kv = (int32_t)kv->shape[0];
-  c->W = (int32_t)vis->shape[1];
+  const kdt::DType dt = q->dtype;
+  c->dtype = dt == kdt::DType::F32 ? KDT_DTYPE_F32 : KDT_DTYPE_BF16;
+  // Every tensor against the case and each other, before anything is read; then the index
+  // pointers against the row counts (the kernels index q, kv and visibility rows with them).
+  using kdt::DType;
+  BundleShapes s(f);
+  if (!(s.param("bs", 0, 1 << 20) && s.param("num_heads", 1, 1 << 12) && s.param("d_latent", 1, 1 << 12) &&
+        s.param("d_rope", 0, 1 << 12) && s.param("max_tree", 1, 1 << 20) && s.param("max_kv", 0, INT32_MAX) &&
+        s.bind("bs + 1", s["bs"] + 1, "bs + 1") && s.bind("dl + dr", s["d_latent"] + s["d_rope"], "d_latent + d_rope") &&
+        s.tensor("q_lat", dt, {"total_q", "num_heads", "d_latent"}) &&
+        s.tensor("q_pe", dt, {"total_q", "num_heads", "d_rope"}) &&
+        s.tensor("kv_cache", dt, {"total_kv", "dl + dr"}) && s.tensor("q_indptr", DType::I32, {"bs + 1"}) &&
+        s.tensor("kv_indptr", DType::I32, {"bs + 1"}) && s.tensor("visibility", DType::U32, {"total_q", "W"}) &&
+        s.tensor("softmax_scale", DType::F32, {"1"}) &&
+        s.tensor("expected.out", DType::F64, {"total_q", "num_heads", "d_latent"}) &&
+        s.tensor("expected.lse", DType::F64, {"total_q", "num_heads"})))
+    return s.err;
+  c->bs = (int32_t)s["bs"];
+  c->H = (int32_t)s["num_heads"];
+  c->dl = (int32_t)s["d_latent"];
+  c->dr = (int32_t)s["d_rope"];
+  c->total_q = (int32_t)s["total_q"];
+  c->total_kv = (int32_t)s["total_kv"];
+  c->W = (int32_t)s["W"];
   std::vector<float> scale;
   for (const std::string& e :
-       {raw(f, "q_lat", q->dtype, {c->total_q, c->H, c->dl}, &c->q_lat),
-        raw(f, "q_pe", q->dtype, {c->total_q, c->H, c->dr}, &c->q_pe),
-        raw(f, "kv_cache", q->dtype, {c->total_kv, c->dl + c->dr}, &c->kv),
+       {raw(f, "q_lat", &c->q_lat), raw(f, "q_pe", &c->q_pe), raw(f, "kv_cache", &c->kv),
         read(f, "q_indptr", kdt::DType::I32, &c->qi), read(f, "kv_indptr", kdt::DType::I32, &c->ki),
         read(f, "visibility", kdt::DType::U32, &c->vis),
         read(f, "softmax_scale", kdt::DType::F32, &scale),
         read(f, "expected.out", kdt::DType::F64, &c->out),
         read(f, "expected.lse", kdt::DType::F64, &c->lse)})
     if (!e.empty()) return e;
-  if (scale.size() != 1 || c->ki.size() != c->qi.size()) return path + ": softmax_scale or kv_indptr malformed";
-  if (c->out.size() != (size_t)c->total_q * c->H * c->dl || c->lse.size() != (size_t)c->total_q * c->H)
-    return path + ": expected.out / expected.lse sizes do not match q_lat";
   c->scale = scale[0];
+  const std::string bad = path + ": inconsistent bundle: ";
+  for (const std::string& e : {check_indptr("q_indptr", c->qi, c->total_q), check_indptr("kv_indptr", c->ki, c->total_kv)})
+    if (!e.empty()) return bad + e;
+  c->max_tree = 1;
+  c->max_kv = 0;
   for (int b = 0; b < c->bs; ++b) {
-    c->max_tree = std::max(c->max_tree, c->qi[b + 1] - c->qi[b]);
-    c->max_kv = std::max(c->max_kv, c->ki[b + 1] - c->ki[b]);
+    const int32_t nq = c->qi[b + 1] - c->qi[b], nkv = c->ki[b + 1] - c->ki[b];
+    if (nkv < nq)
+      return bad + "request " + std::to_string(b) + " has " + std::to_string(nq) + " tree rows but " +
+             std::to_string(nkv) + " kv rows (kv holds the prefix and the tree)";
+    c->max_tree = std::max(c->max_tree, nq);
+    c->max_kv = std::max(c->max_kv, nkv);
   }
+  if (c->max_tree != s["max_tree"] || c->max_kv != s["max_kv"])
+    return bad + "the index pointers give max_tree " + std::to_string(c->max_tree) + " and max_kv " +
+           std::to_string(c->max_kv) + ", the case metadata " + std::to_string(s["max_tree"]) + " and " +
+           std::to_string(s["max_kv"]);
+  if ((int64_t)c->W * 32 < c->max_tree)
+    return bad + "visibility has " + std::to_string(c->W) + " words per row, too few for a tree of " +
+           std::to_string(c->max_tree) + " nodes";
   return "";
 }
 

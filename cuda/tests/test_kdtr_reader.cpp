@@ -54,6 +54,17 @@ void write(const fs::path& p, const std::string& s) {
   std::ofstream(p, std::ios::binary).write(s.data(), (std::streamsize)s.size());
 }
 
+// n zero-size tensors and m metadata keys: the largest valid file the reader's limits allow
+// when n == kMaxTensors and m == kMaxMetadataKeys.
+std::string many_zero_tensors(size_t n, size_t m) {
+  std::string meta = "{";
+  for (size_t k = 0; k < m; ++k) meta += (k ? ",\"k" : "\"k") + std::to_string(k) + "\":\"v\"";
+  meta += "}";
+  std::vector<Entry> entries;
+  for (size_t i = 0; i < n; ++i) entries.push_back({"t" + std::to_string(i), "U8", "[0,7]", ""});
+  return make_file(entries, m ? meta : "");
+}
+
 const char* kMeta = "{\"format\":\"kdtr\",\"version\":\"1\",\"kernel\":\"tree_build\",\"case\":\"{}\"}";
 
 std::string valid_file() {
@@ -94,6 +105,41 @@ std::string check_valid(const fs::path& dir) {
     return "reading F32 as I32: '" + f.error() + "'";
   if (f.read_f32("ids", &fa) != KDT_ERR_FORMAT) return "read_f32 of I64 did not fail";
   if (f.check_kdtr("tree_accept") != KDT_ERR_FORMAT) return "check_kdtr accepted the wrong kernel";
+  int64_t v = 0;
+  if (f.case_int("bs", &v) != KDT_ERR_FORMAT || f.error().find("no key \"bs\"") == std::string::npos)
+    return "case_int on an empty case: '" + f.error() + "'";
+  const fs::path c = dir / "case.kdtr";
+  write(c, make_file({{"a", "F32", "[1]", bytes_of(std::vector<float>{1})}},
+                     "{\"case\":\"{\\\"name\\\":\\\"x\\\",\\\"l\\\":[1,2],\\\"bs\\\":17,"
+                     "\\\"neg\\\":-3,\\\"f\\\":1.5}\"}"));
+  if (f.open(c.string()) != KDT_OK) return f.error();
+  if (f.case_int("bs", &v) != KDT_OK || v != 17) return "case_int(bs): " + f.error();
+  if (f.case_int("neg", &v) != KDT_OK || v != -3) return "case_int(neg): " + f.error();
+  if (f.case_int("f", &v) != KDT_ERR_FORMAT || f.error().find("not an integer") == std::string::npos)
+    return "case_int(f) of 1.5: '" + f.error() + "'";
+  if (f.case_int("name", &v) != KDT_ERR_FORMAT) return "case_int(name) of a string did not fail";
+  return "";
+}
+
+// The reader's limits, reached exactly, are accepted, and opening is linear: the largest file
+// the limits allow (65536 tensors, 4096 metadata keys, rank 8) opens in well under a second
+// (the reader was quadratic in the tensor count: 40k tensors took seconds).
+std::string check_limits(const fs::path& dir) {
+  const fs::path p = dir / "limits.kdtr";
+  write(p, many_zero_tensors(kdt::kMaxTensors, kdt::kMaxMetadataKeys));
+  kdt::SafetensorsFile f;
+  const auto t0 = std::chrono::steady_clock::now();
+  if (f.open(p.string()) != KDT_OK) return f.error();
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (f.tensors().size() != kdt::kMaxTensors || f.metadata().size() != kdt::kMaxMetadataKeys)
+    return "the file at the limits read back wrong";
+  const kdt::TensorInfo* t = f.find("t65535");
+  if (!t || t->name != "t65535" || t->shape != std::vector<int64_t>{0, 7}) return "find(t65535) failed";
+  std::printf("limits: %zu tensors and %zu metadata keys opened in %.3f s\n", f.tensors().size(),
+              f.metadata().size(), secs);
+  if (secs > 1.0) return "opening the file at the limits took " + std::to_string(secs) + " s (quadratic?)";
+  write(p, make_file({{"a", "F32", "[1,1,1,1,1,1,1,2]", bytes_of(std::vector<float>{1, 2})}}, ""));
+  if (f.open(p.string()) != KDT_OK) return "rank 8: " + f.error();
   return "";
 }
 
@@ -130,6 +176,12 @@ std::string check_defects(const fs::path& dir) {
       {"extra_field", raw_file("{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8],\"x\":1}}", f32),
        "unknown field"},
       {"meta_not_string", make_file({{"a", "F32", "[2]", f32}}, "{\"k\":3}"), "is not a string"},
+      {"rank9", make_file({{"a", "F32", "[1,1,1,1,1,1,1,1,2]", f32}}, ""), "8 dimensions"},
+      {"field_twice", raw_file("{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"shape\":[2],\"data_offsets\":[0,8]}}", f32),
+       "\"shape\" appears twice"},
+      {"metadata_twice", raw_file("{\"__metadata__\":{},\"__metadata__\":{}}", ""), "__metadata__ appears twice"},
+      {"too_many_tensors", many_zero_tensors(kdt::kMaxTensors + 1, 0), "65536 tensors"},
+      {"too_many_metadata_keys", many_zero_tensors(1, kdt::kMaxMetadataKeys + 1), "4096 keys"},
   };
   for (const Defect& d : defects) {
     const fs::path p = dir / (std::string(d.name) + ".kdtr");
@@ -199,6 +251,7 @@ int main(int argc, char** argv) {
   std::mt19937_64 rng(h.seed);
   h.run("valid_file", [&] { return check_valid(dir); });
   h.run("defects_named", [&] { return check_defects(dir); });
+  h.run("limits_accepted_linear_time", [&] { return check_limits(dir); });
   h.run("fuzz_corrupted_files", [&] { return fuzz(dir, rng, 1500); });
   if (h.bundles.empty()) {
     h.skip("bundles_open", "no --bundles DIR given");

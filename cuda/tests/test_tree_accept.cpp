@@ -11,11 +11,20 @@ namespace {
 std::string load_bundle(const std::string& path, AcceptIn* in, AcceptOut* ref) {
   kdt::SafetensorsFile f;
   if (f.open(path) != KDT_OK || f.check_kdtr("tree_accept") != KDT_OK) return f.error();
-  const kdt::TensorInfo* t = f.find("tokens");
-  if (!t || t->shape.size() != 2) return path + ": tokens missing or not [bs, n]";
-  in->bs = (int)t->shape[0];
-  in->n = (int)t->shape[1];
+  // Every tensor against the case (bs, n) and each other, before anything is read: the kernel
+  // trusts that each link array and the targets hold bs * n entries.
   using kdt::DType;
+  BundleShapes s(f);
+  if (!(s.param("bs", 0, 1 << 20) && s.param("n", 1, 1 << 20)))
+    return s.err;
+  for (const char* name : {"tokens", "first_child", "next_sibling", "target_argmax"})
+    if (!s.tensor(name, DType::I64, {"bs", "n"})) return s.err;
+  if (!(s.tensor("num_nodes", DType::I32, {"bs"}) && s.tensor("expected.accept_index", DType::I32, {"bs", "n"}) &&
+        s.tensor("expected.accept_len", DType::I32, {"bs"}) && s.tensor("expected.bonus", DType::I64, {"bs"}) &&
+        s.tensor("expected.status", DType::I32, {"bs"})))
+    return s.err;
+  in->bs = (int)s["bs"];
+  in->n = (int)s["n"];
   for (const std::string& e :
        {read(f, "tokens", DType::I64, &in->tokens), read(f, "first_child", DType::I64, &in->first_child),
         read(f, "next_sibling", DType::I64, &in->next_sibling),

@@ -13,9 +13,24 @@ namespace {
 std::string load_bundle(const std::string& path, BuildIn* in, BuildOut* ref) {
   kdt::SafetensorsFile f;
   if (f.open(path) != KDT_OK || f.check_kdtr("tree_build") != KDT_OK) return f.error();
-  const kdt::TensorInfo* t = f.find("top_logp");
-  if (!t || t->shape.size() != 3) return path + ": top_logp missing or not [bs, L, K]";
-  in->bs = (int)t->shape[0]; in->L = (int)t->shape[1]; in->K = (int)t->shape[2];
+  // Every tensor against the case (bs, L, K, budget) and each other, before anything is read:
+  // the kernel trusts that top_ids, root_ids and seq_lens are as long as top_logp says.
+  using kdt::DType;
+  BundleShapes s(f);
+  if (!(s.param("bs", 0, 1 << 20) && s.param("L", 1, 1 << 10) && s.param("K", 1, 1 << 20) &&
+        s.param("budget", 1, 1 << 16) && s.bind("n", s["budget"] + 1, "budget + 1") &&
+        s.bind("W", (s["n"] + 31) / 32, "(n + 31) / 32") &&
+        s.tensor("top_logp", DType::F32, {"bs", "L", "K"}) &&
+        s.tensor("top_ids", DType::I64, {"bs", "L", "K"}) && s.tensor("root_ids", DType::I64, {"bs"}) &&
+        s.tensor("seq_lens", DType::I64, {"bs"}) && s.tensor("budget", DType::I64, {"1"})))
+    return s.err;
+  for (const char* name : {"expected.tokens", "expected.positions", "expected.first_child", "expected.next_sibling"})
+    if (!s.tensor(name, DType::I64, {"bs", "n"})) return s.err;
+  if (!(s.tensor("expected.parents", DType::I32, {"bs", "n"}) && s.tensor("expected.depths", DType::I32, {"bs", "n"}) &&
+        s.tensor("expected.visibility", DType::U32, {"bs", "n", "W"}) &&
+        s.tensor("expected.num_nodes", DType::I32, {"bs"}) && s.tensor("expected.scores", DType::F64, {"bs", "n"})))
+    return s.err;
+  in->bs = (int)s["bs"]; in->L = (int)s["L"]; in->K = (int)s["K"];
   std::vector<int64_t> budget;
   using kdt::DType;
   for (const std::string& e :
@@ -32,7 +47,9 @@ std::string load_bundle(const std::string& path, BuildIn* in, BuildOut* ref) {
         read(f, "expected.num_nodes", DType::I32, &ref->num_nodes),
         read(f, "expected.scores", DType::F64, &ref->scores)})
     if (!e.empty()) return e;
-  if (budget.size() != 1) return path + ": budget is not one element";
+  if (budget[0] != s["budget"])
+    return path + ": inconsistent bundle: tensor budget holds " + std::to_string(budget[0]) +
+           ", the case metadata " + std::to_string(s["budget"]);
   in->budget = (int)budget[0];
   if (in->K > in->budget) {  // the reference allows K > budget; ranks >= budget never win
     std::vector<float> lp;

@@ -10,8 +10,13 @@
 //
 // Every defect is an error that names the file and the defect (truncated file, header length
 // too large, malformed JSON, unknown dtype, shape / byte-count mismatch, offsets out of range,
-// overlapping or leaving gaps, duplicate names); nothing crashes or throws. Tensor data is read
-// on demand (the header is parsed once), so weight files of any size can be opened.
+// overlapping or leaving gaps, duplicate names, a limit below exceeded); nothing crashes or
+// throws. Tensor data is read on demand (the header is parsed once), so weight files of any size
+// can be opened.
+//
+// A header is untrusted input (ARCHITECTURE.md "Trust boundary"): opening one takes time linear
+// in its size (names are hashed; the tensors are sorted once) and memory bounded by the header
+// plus the limits below, whatever the header holds.
 //
 //   kdt::SafetensorsFile f;
 //   if (f.open(path) != KDT_OK) { fprintf(stderr, "%s\n", f.error().c_str()); ... }
@@ -25,11 +30,21 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "kdtree/kdtree.h"
 
 namespace kdt {
+
+// Limits of the reader (a file over one is refused with an error naming the limit). Generous:
+// a DeepSeek-V3 shard holds ~1-2 thousand tensors of rank <= 3; a KDTR bundle holds ~20 tensors
+// and 5 metadata keys.
+constexpr uint64_t kMaxHeaderBytes = 100ull << 20;  // the safetensors library's own limit
+constexpr size_t kMaxTensors = 65536;               // tensors in one file
+constexpr size_t kMaxRank = 8;                      // dimensions of one tensor
+constexpr size_t kMaxMetadataKeys = 4096;           // keys of __metadata__
+constexpr int kMaxJsonDepth = 16;                   // nesting (a valid header needs 3)
 
 enum class DType { BOOL, U8, I8, F8_E5M2, F8_E4M3, I16, U16, F16, BF16, I32, U32, F32, I64, U64, F64 };
 
@@ -68,6 +83,10 @@ class KDT_API SafetensorsFile {
   // The metadata string for key, or fallback when absent.
   std::string meta(const std::string& key, const std::string& fallback = "") const;
   bool has_meta(const std::string& key) const { return metadata_.count(key) != 0; }
+  // The integer `key` of a KDTR bundle's `case` metadata (a JSON object); KDT_ERR_FORMAT, with
+  // error() naming the file and the key, when `case` is not a JSON object or the key is absent
+  // or not an integer in [-2^63, 2^63).
+  kdt_status case_int(const std::string& key, int64_t* out);
   // For KDTR bundles: checks format == "kdtr", version == "1" and kernel == `kernel`; the
   // error says how to regenerate a stale bundle.
   kdt_status check_kdtr(const std::string& kernel);
@@ -87,12 +106,14 @@ class KDT_API SafetensorsFile {
   kdt_status read_f32(const std::string& name, std::vector<float>* out);
 
  private:
+  kdt_status open_header();
   const TensorInfo* lookup(const std::string& name, DType want, size_t elem_size);
   kdt_status fail(kdt_status s, const std::string& what);
 
   std::string path_, error_;
   uint64_t file_size_ = 0, data_start_ = 0;
   std::vector<TensorInfo> tensors_;
+  std::unordered_map<std::string, size_t> index_;  // name -> position in tensors_
   std::map<std::string, std::string> metadata_;
 };
 
