@@ -2,8 +2,10 @@
 
 For each device in ctx.devices, each batch size and each case below, `Engine.generate` decodes
 `new_tokens` tokens for every prompt (prompts split into batches decoded together); a sample is
-the wall-clock time of decoding all prompts once (prefill included; the engine synchronises the
-device inside every call, so the host clock is the device time too).
+the wall-clock time of decoding all prompts once (prefill included; every round ends with its one
+synchronisation, so the host clock is the device time too). Each case also records its rounds
+(mean ms per round, each a whole CUDA graph on CUDA) and where a round's time goes per phase
+(draft, tree, verify, accept, commit, copy: round.PHASES), from a second, profiled engine.
 
 Cases: AR; DDTree at budgets {15, 63, 255} x drafters: the noisy ORACLE at several qualities
 (handed the true greedy continuation, built before timing) and the block drafter: by default
@@ -87,34 +89,50 @@ def _batches(prompts, bs):
     return [prompts[i:i + bs] for i in range(0, len(prompts), bs)]
 
 
+def _decode_all(eng, batches, new_tokens, mode, budget, drafters) -> dict:
+    """Every batch decoded once; the merged tokens and engine stats."""
+    out = {"tokens": [], "forwards": 0, "accept": [], "rounds": 0, "round_s": 0.0,
+           "prefill_s": 0.0, "phase_s": {}}
+    for i, b in enumerate(batches):
+        r = eng.generate(b, new_tokens, mode=mode, budget=budget,
+                         drafter=None if drafters is None else drafters[i])
+        out["tokens"].extend(r.tokens)
+        out["forwards"] += r.stats.target_forwards * len(b)
+        out["accept"].extend(a for req in r.stats.accept_lengths for a in req)
+        out["rounds"] += r.stats.rounds
+        out["round_s"] += r.stats.round_seconds
+        out["prefill_s"] += r.stats.prefill_seconds
+        for ph, sec in r.stats.phase_seconds.items():
+            out["phase_s"][ph] = out["phase_s"].get(ph, 0.0) + sec
+    return out
+
+
 def _run_case(eng, batches, new_tokens, mode, budget, drafters, reps):
-    """Times decoding every batch once per sample; returns (samples, tokens, merged stats)."""
+    """Times decoding every batch once per sample; returns (samples, the last sample's
+    tokens and merged stats)."""
     last = {}
 
     def once():
-        toks, forwards, accept, draft_s, fwd_s = [], 0, [], 0.0, 0.0
-        for i, b in enumerate(batches):
-            r = eng.generate(b, new_tokens, mode=mode, budget=budget,
-                             drafter=None if drafters is None else drafters[i])
-            toks.extend(r.tokens)
-            forwards += r.stats.target_forwards * len(b)
-            accept.extend(a for req in r.stats.accept_lengths for a in req)
-            draft_s += r.stats.draft_seconds
-            fwd_s += r.stats.forward_seconds
-        last.update(tokens=toks, forwards=forwards, accept=accept, draft_seconds=draft_s,
-                    forward_seconds=fwd_s)
+        last.update(_decode_all(eng, batches, new_tokens, mode, budget, drafters))
 
     samples = time_cpu(once, warmup=1, reps=reps)
     return samples, last
 
 
+def _phases(peng, batches, new_tokens, mode, budget, drafters) -> dict:
+    """Where a round's time goes: one more decode of every batch on the profiled engine (per
+    phase: CUDA events around per-phase graphs on CUDA, the monotonic clock on the CPU), in
+    milliseconds per round."""
+    out = _decode_all(peng, batches, new_tokens, mode, budget, drafters)
+    n = max(out["rounds"], 1)
+    return {ph: 1e3 * sec / n for ph, sec in out["phase_s"].items()}
+
+
 def _load_drafter(folder, device):
-    """As Engine.block_drafter loads its own: numpy on the CPU, torch on the GPU."""
+    """As Engine.block_drafter loads its own: batched torch on the engine's device."""
     from engine.drafters.block import BlockDrafter
 
-    if device == "cpu":
-        return BlockDrafter.from_dir(folder, backend="numpy")
-    return BlockDrafter.from_dir(folder, backend="torch", device="cuda")
+    return BlockDrafter.from_dir(folder, backend="torch", device=device)
 
 
 def run(ctx) -> dict:
@@ -145,6 +163,9 @@ def run(ctx) -> dict:
             continue
         max_seq = 64 + new_tokens + max(g["budgets"]) + 32
         eng = Engine(weights, device=device, max_slots=max(g["batches"]), max_seq=max_seq)
+        # The same engine with per-phase timing (per-phase graphs on CUDA): the breakdown only.
+        peng = Engine(weights, device=device, max_slots=max(g["batches"]), max_seq=max_seq,
+                      profile=True)
         prompts = _prompts(n_prompts, eng.vocab_size)
         for bs in g["batches"]:
             batches = _batches(prompts, bs)
@@ -184,6 +205,8 @@ def run(ctx) -> dict:
                         continue
                     same = [t.tolist() for t in out["tokens"]] == [t.tolist() for t in ar["tokens"]]
                     valid = {"ok": bool(same), "check": "DDTree tokens == AR tokens (same device)"}
+                phases = _phases(peng, batches, new_tokens, mode, budget,
+                                 None if mode == "ar" else dr)
                 total = len(prompts) * new_tokens
                 med = float(np.median(s))
                 tau = float(np.mean(out["accept"])) if out["accept"] else 0.0
@@ -203,18 +226,24 @@ def run(ctx) -> dict:
                         "speedup_vs_ar": ar_median / med,
                         "speedup_vs_ar_formula": "median(AR samples) / median(samples)",
                     },
-                    # Where the last sample's time went (engine stats): drafting + tree build,
-                    # and the target forwards; the rest is accept, compaction and bookkeeping.
-                    "breakdown_last_sample": {"draft_and_tree_s": out["draft_seconds"],
-                                              "target_forward_s": out["forward_seconds"]},
+                    # The last sample's rounds (each a whole graph on CUDA, its one sync
+                    # included) and prefills; where a round's time goes, per phase, from the
+                    # profiled engine (round.PHASES; ms per round).
+                    "round": {"rounds": out["rounds"],
+                              "round_ms": 1e3 * out["round_s"] / max(out["rounds"], 1),
+                              "prefill_s": out["prefill_s"],
+                              "phases_ms": phases,
+                              "graphs": bool(eng.graphs)},
                     "validation": valid,
                 }
                 results.append(rec)
                 rows.append([device, bs, mode, budget or "-", drafter_name,
                              round(total / med, 1), round(out["forwards"] / total, 3),
                              round(tau, 2), round(ar_median / med, 2),
+                             round(1e3 * out["round_s"] / max(out["rounds"], 1), 3),
                              "ok" if valid["ok"] else "MISMATCH"])
         eng.close()
+        peng.close()
     table = format_table(["device", "bs", "mode", "B", "drafter", "tok/s", "fwd/tok", "tau",
-                          "x AR", "check"], rows)
+                          "x AR", "ms/round", "check"], rows)
     return {"params": params, "results": results, "table": table}

@@ -1,6 +1,7 @@
 // common.cpp: per-thread error messages and the library-level entry points.
 #include "common.h"
 
+#include <atomic>
 #include <cstdio>
 
 #if defined(KDT_WITH_CUDA)
@@ -10,7 +11,10 @@
 namespace kdt {
 namespace {
 thread_local std::string g_last_error;
+std::atomic<uint64_t> g_sync_count{0};
 }
+
+void count_sync() { g_sync_count.fetch_add(1, std::memory_order_relaxed); }
 
 kdt_status set_error(kdt_status status, const char* fn, const char* fmt, ...) {
   char buf[1024];
@@ -37,6 +41,8 @@ extern "C" {
 const char* kdt_last_error(void) { return kdt::g_last_error.c_str(); }
 
 const char* kdt_version(void) { return "0.1.0"; }
+
+uint64_t kdt_sync_count(void) { return kdt::g_sync_count.load(); }
 
 int kdt_has_cuda(void) {
 #if defined(KDT_WITH_CUDA)

@@ -20,6 +20,10 @@ void clear_error();
 // Returns KDT_ERR_UNSUPPORTED with a clear message when the build has no CUDA backend.
 kdt_status cuda_unsupported(const char* fn);
 
+// Counts one host synchronisation (kdt_sync_count): every call that waits for the device
+// (stream / device synchronise, a blocking cudaMemcpy) is preceded by this.
+void count_sync();
+
 }  // namespace kdt
 
 // Argument checks for entry points: return an error status naming the argument.

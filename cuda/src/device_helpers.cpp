@@ -50,6 +50,7 @@ kdt_status kdt_memcpy_htod(void* dst, const void* src, size_t bytes) {
   KDT_CHECK_PTR(dst, fn);
   KDT_CHECK_PTR(src, fn);
 #if defined(KDT_WITH_CUDA)
+  kdt::count_sync();
   KDT_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), fn);
   return KDT_OK;
 #else
@@ -64,6 +65,7 @@ kdt_status kdt_memcpy_dtoh(void* dst, const void* src, size_t bytes) {
   KDT_CHECK_PTR(dst, fn);
   KDT_CHECK_PTR(src, fn);
 #if defined(KDT_WITH_CUDA)
+  kdt::count_sync();
   KDT_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), fn);
   return KDT_OK;
 #else
@@ -75,6 +77,7 @@ kdt_status kdt_device_synchronize(void) {
   static const char* fn = "kdt_device_synchronize";
   kdt::clear_error();
 #if defined(KDT_WITH_CUDA)
+  kdt::count_sync();
   KDT_CUDA_CHECK(cudaDeviceSynchronize(), fn);
   return KDT_OK;
 #else

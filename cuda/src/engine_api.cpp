@@ -25,8 +25,23 @@ Engine::~Engine() {
 }  // namespace engine
 }  // namespace kdt
 
+using kdt::engine::AcceptBatch;
 using kdt::engine::Batch;
 using kdt::engine::Engine;
+using kdt::engine::RoundBatch;
+
+namespace {
+
+// Host-path calls read the slots' lengths on the host: refresh them after device-path rounds.
+kdt_status host_lengths(Engine& e) {
+#if defined(KDT_WITH_CUDA)
+  if (e.backend == KDT_BACKEND_CUDA) return kdt::engine::lengths_to_host(e);
+#endif
+  (void)e;
+  return KDT_OK;
+}
+
+}  // namespace
 
 extern "C" {
 
@@ -57,9 +72,9 @@ kdt_status kdt_engine_create(kdt_backend backend, const char* weights_dir, int32
       delete h;
       return st;
     }
-    e.seq_len.assign(max_slots, 0);
+    e.seq_len.assign(size_t(max_slots) + 1, 0);  // + the device path's scratch slot
     if (backend == KDT_BACKEND_CPU) {
-      const size_t per_layer = size_t(max_slots) * max_seq * e.model.cfg.kv_dim();
+      const size_t per_layer = size_t(max_slots + 1) * max_seq * e.model.cfg.kv_dim();
       e.kv.assign(e.model.cfg.layers, std::vector<float>(per_layer, 0.f));
       e.pool.reset(new kdt::engine::ThreadPool(kdt::engine::ThreadPool::default_threads()));
     }
@@ -106,12 +121,14 @@ kdt_status kdt_engine_dim(const kdt_engine* engine, const char* name, int64_t* v
   return KDT_OK;
 }
 
-kdt_status kdt_engine_seq_len(const kdt_engine* engine, int32_t slot, int32_t* len) {
+kdt_status kdt_engine_seq_len(kdt_engine* engine, int32_t slot, int32_t* len) {
   const char* fn = "kdt_engine_seq_len";
   KDT_CHECK_PTR(engine, fn);
   KDT_CHECK_PTR(len, fn);
   KDT_CHECK_ARG(slot >= 0 && slot < engine->impl.max_slots, fn, "slot %d is outside [0, %d)",
                 int(slot), engine->impl.max_slots);
+  kdt_status st = host_lengths(engine->impl);
+  if (st != KDT_OK) return st;
   *len = engine->impl.seq_len[slot];
   return KDT_OK;
 }
@@ -121,7 +138,13 @@ kdt_status kdt_engine_reset_slot(kdt_engine* engine, int32_t slot) {
   KDT_CHECK_PTR(engine, fn);
   KDT_CHECK_ARG(slot >= 0 && slot < engine->impl.max_slots, fn, "slot %d is outside [0, %d)",
                 int(slot), engine->impl.max_slots);
-  engine->impl.seq_len[slot] = 0;
+  Engine& e = engine->impl;
+  kdt_status st = host_lengths(e);
+  if (st != KDT_OK) return st;
+  e.seq_len[slot] = 0;
+#if defined(KDT_WITH_CUDA)
+  if (e.backend == KDT_BACKEND_CUDA) return kdt::engine::length_to_device(e, slot);
+#endif
   return KDT_OK;
 }
 
@@ -149,6 +172,8 @@ kdt_status kdt_engine_forward(kdt_engine* engine, int32_t n_req, const int32_t* 
                   "capture_layers[%d] = %d is outside [0, num_hidden_layers + 1 = %d]", i,
                   int(capture_layers[i]), c.layers + 1);
   KDT_CHECK_ARG(q_indptr[0] == 0, fn, "q_indptr[0] = %d, expected 0", int(q_indptr[0]));
+  kdt_status lst = host_lengths(e);
+  if (lst != KDT_OK) return lst;
   std::vector<int32_t> prefix(n_req);
   std::vector<char> seen(e.max_slots, 0);
   int max_tree = 0;
@@ -220,6 +245,8 @@ kdt_status kdt_engine_commit(kdt_engine* engine, int32_t slot, int32_t n_keep,
   Engine& e = engine->impl;
   KDT_CHECK_ARG(slot >= 0 && slot < e.max_slots, fn, "slot %d is outside [0, %d)", int(slot),
                 e.max_slots);
+  kdt_status lst = host_lengths(e);
+  if (lst != KDT_OK) return lst;
   const int P = e.seq_len[slot];
   KDT_CHECK_ARG(n_keep >= 0 && P + n_keep <= e.max_seq, fn,
                 "n_keep %d is negative or overflows max_seq %d (slot %d holds %d rows)",
@@ -234,6 +261,96 @@ kdt_status kdt_engine_commit(kdt_engine* engine, int32_t slot, int32_t n_keep,
     if (e.backend == KDT_BACKEND_CUDA) return kdt::engine::commit_cuda(e, slot, n_keep, keep);
 #endif
     return kdt::engine::commit_cpu(e, slot, n_keep, keep);
+  } catch (const std::bad_alloc&) {
+    return kdt::set_error(KDT_ERR_OUT_OF_MEMORY, fn, "out of host memory");
+  }
+}
+
+kdt_status kdt_engine_lengths(kdt_engine* engine, int32_t** lengths) {
+  const char* fn = "kdt_engine_lengths";
+  KDT_CHECK_PTR(engine, fn);
+  KDT_CHECK_PTR(lengths, fn);
+  Engine& e = engine->impl;
+#if defined(KDT_WITH_CUDA)
+  if (e.backend == KDT_BACKEND_CUDA) {
+    *lengths = kdt::engine::cuda_lengths(e);
+    return KDT_OK;
+  }
+#endif
+  *lengths = e.seq_len.data();
+  return KDT_OK;
+}
+
+// The device path's shape checks (values live on the device: the kernels clamp every index).
+static kdt_status check_round_shape(const Engine& e, const char* fn, int32_t n_req, int32_t n,
+                                    const int32_t* slots) {
+  KDT_CHECK_ARG(n_req >= 1 && n_req <= 4096, fn, "n_req %d is outside [1, 4096]", int(n_req));
+  KDT_CHECK_ARG(n >= 1 && n <= e.max_seq && n <= 4096, fn,
+                "n %d is outside [1, min(max_seq %d, 4096)]", int(n), e.max_seq);
+  KDT_CHECK_PTR(slots, fn);
+  return KDT_OK;
+}
+
+kdt_status kdt_engine_verify(kdt_engine* engine, void* stream, int32_t n_req, int32_t n,
+                             const int32_t* slots, const int64_t* tokens,
+                             const int64_t* positions, const uint32_t* visibility,
+                             int32_t vis_words, int64_t* argmax, float* hidden, float* logits) {
+  const char* fn = "kdt_engine_verify";
+  KDT_CHECK_PTR(engine, fn);
+  Engine& e = engine->impl;
+  kdt_status st = check_round_shape(e, fn, n_req, n, slots);
+  if (st != KDT_OK) return st;
+  KDT_CHECK_PTR(tokens, fn);
+  KDT_CHECK_PTR(positions, fn);
+  KDT_CHECK_PTR(visibility, fn);
+  KDT_CHECK_PTR(argmax, fn);
+  KDT_CHECK_ARG(vis_words >= (n + 31) / 32, fn, "vis_words %d < ceil(n %d / 32)", int(vis_words),
+                int(n));
+  RoundBatch b;
+  b.stream = stream;
+  b.n_req = n_req;
+  b.n = n;
+  b.slots = slots;
+  b.tokens = tokens;
+  b.positions = positions;
+  b.visibility = visibility;
+  b.vis_words = vis_words;
+  b.argmax = argmax;
+  b.hidden = hidden;
+  b.logits = logits;
+  try {
+#if defined(KDT_WITH_CUDA)
+    if (e.backend == KDT_BACKEND_CUDA) return kdt::engine::verify_cuda(e, b);
+#endif
+    return kdt::engine::verify_cpu(e, b);
+  } catch (const std::bad_alloc&) {
+    return kdt::set_error(KDT_ERR_OUT_OF_MEMORY, fn, "out of host memory for %d x %d nodes",
+                          int(n_req), int(n));
+  }
+}
+
+kdt_status kdt_engine_commit_accepted(kdt_engine* engine, void* stream, int32_t n_req, int32_t n,
+                                      const int32_t* slots, const int32_t* accept_index,
+                                      const int32_t* accept_len) {
+  const char* fn = "kdt_engine_commit_accepted";
+  KDT_CHECK_PTR(engine, fn);
+  Engine& e = engine->impl;
+  kdt_status st = check_round_shape(e, fn, n_req, n, slots);
+  if (st != KDT_OK) return st;
+  KDT_CHECK_PTR(accept_index, fn);
+  KDT_CHECK_PTR(accept_len, fn);
+  AcceptBatch a;
+  a.stream = stream;
+  a.n_req = n_req;
+  a.n = n;
+  a.slots = slots;
+  a.accept_index = accept_index;
+  a.accept_len = accept_len;
+  try {
+#if defined(KDT_WITH_CUDA)
+    if (e.backend == KDT_BACKEND_CUDA) return kdt::engine::commit_accepted_cuda(e, a);
+#endif
+    return kdt::engine::commit_accepted_cpu(e, a);
   } catch (const std::bad_alloc&) {
     return kdt::set_error(KDT_ERR_OUT_OF_MEMORY, fn, "out of host memory");
   }

@@ -6,8 +6,11 @@
 // sums with a fixed butterfly, block reductions use a fixed block size - and attention indexes
 // a query's keys by their rank among its visible keys (prefix rows, then visible tree rows),
 // which is the same for a tree node and for the same token decoded autoregressively.
-// Engine calls take host pointers; this file copies in and out on the engine's own stream and
-// synchronises before returning.
+// Two paths. The host path (kdt_engine_forward / _commit) takes host pointers, copies in and out
+// on the engine's own stream and synchronises before returning. The device path
+// (kdt_engine_verify / _commit_accepted) takes device pointers and the caller's stream, reads
+// the slots' lengths from the device, and neither synchronises nor allocates once its scratch
+// is reserved, so that a CUDA graph can capture a whole decode round.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -193,10 +196,13 @@ __global__ void attention_kernel(const float* q_lat, const float* q_pe, const fl
     part += p;
   }
   const float sum = block_sum<kAttnThreads>(part, red);  // also orders the sc[] writes
+  // sum >= 1 whenever a key is visible (the maximum contributes exp(0)); a padding node of the
+  // device path on an empty slot sees none and gets zeros instead of 0 / 0.
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
   for (int c = threadIdx.x; c < C; c += kAttnThreads) {
     float acc = 0.f;
     for (int k = 0; k < nk; ++k) acc += sc[k] * base[size_t(k < P ? k : tree_rows[k - P]) * KD + c];
-    o_lat[(size_t(t) * H + h) * C + c] = acc / sum;
+    o_lat[(size_t(t) * H + h) * C + c] = sum > 0.f ? acc / sum : acc * inv;
   }
 }
 
@@ -332,6 +338,79 @@ __global__ void scatter_rows_kernel(float* const* caches, const float* tmp, size
   for (int i = threadIdx.x; i < KD; i += blockDim.x) dst[i] = tmp[(size_t(l) * n_keep + k) * KD + i];
 }
 
+// The device path's per-token metadata from device inputs: slot, prefix (the slot's length),
+// node, n; tokens and positions made safe to index with (padding nodes: token 0 at position P).
+__global__ void round_meta_kernel(const int32_t* slots, const int32_t* lengths,
+                                  const int64_t* tokens, const int64_t* positions, int n_req,
+                                  int n, int max_slots, int max_seq, int V, int32_t* meta,
+                                  int64_t* tok_out, int64_t* pos_out) {
+  const int T = n_req * n, t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= T) return;
+  int s = slots[t / n];
+  if (s < 0 || s > max_slots) s = max_slots;  // never index outside the cache
+  int P = lengths[s];
+  P = P < 0 ? 0 : (P > max_seq - n ? max_seq - n : P);  // the caller keeps P + n <= max_seq
+  meta[t] = s;
+  meta[T + t] = P;
+  meta[2 * T + t] = t % n;
+  meta[3 * T + t] = n;
+  const int64_t tok = tokens[t], pos = positions[t];
+  tok_out[t] = tok >= 0 && tok < V ? tok : 0;
+  pos_out[t] = pos >= 0 && pos < max_seq ? pos : int64_t(P);
+}
+
+// out [T] = the first index of each row's maximum of logits [T, V] (np.argmax's choice), or -1
+// where the node is padding (token < 0); one warp per row.
+__global__ void argmax_kernel(const float* logits, const int64_t* tokens, int T, int V,
+                              int64_t* out) {
+  const long warp = (long(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  if (warp >= T) return;
+  const float* row = logits + size_t(warp) * V;
+  float best = -INFINITY;
+  int bi = V;
+  for (int k = lane; k < V; k += kWarp) {
+    const float v = row[k];
+    if (v > best || (v == best && k < bi)) { best = v; bi = k; }
+  }
+  for (int off = 16; off; off >>= 1) {
+    const float ob = __shfl_xor_sync(0xffffffffu, best, off);
+    const int oi = __shfl_xor_sync(0xffffffffu, bi, off);
+    if (ob > best || (ob == best && oi < bi)) { best = ob; bi = oi; }
+  }
+  if (lane == 0) out[warp] = tokens[warp] < 0 ? -1 : (bi < V ? bi : 0);
+}
+
+// Accepted rows of request b (grid: n_req * n blocks x layers): k-th accepted node's cache row
+// P + accept_index[b, k] is read into tmp (gather), then written to row P + k (scatter).
+__global__ void accepted_rows_kernel(float* const* caches, const int32_t* slots,
+                                     const int32_t* lengths, const int32_t* acc_index,
+                                     const int32_t* acc_len, int n_req, int n, int max_slots,
+                                     int max_seq, int KD, float* tmp, int scatter) {
+  const int b = blockIdx.x / n, k = blockIdx.x % n, l = blockIdx.y;
+  const int s = slots[b];
+  if (s < 0 || s >= max_slots || k >= acc_len[b]) return;
+  const int src = acc_index[size_t(b) * n + k], P = lengths[s];
+  if (src < 0 || src >= n || P + n > max_seq) return;
+  float* cache = caches[l] + size_t(s) * max_seq * KD;
+  float* t = tmp + ((size_t(l) * n_req + b) * n + k) * KD;
+  if (!scatter) {
+    for (int i = threadIdx.x; i < KD; i += blockDim.x) t[i] = cache[size_t(P + src) * KD + i];
+  } else {
+    for (int i = threadIdx.x; i < KD; i += blockDim.x) cache[size_t(P + k) * KD + i] = t[i];
+  }
+}
+
+__global__ void lengths_add_kernel(int32_t* lengths, const int32_t* slots, const int32_t* acc_len,
+                                   int n_req, int n, int max_slots) {
+  const int b = blockIdx.x * blockDim.x + threadIdx.x;
+  if (b >= n_req) return;
+  const int s = slots[b];
+  if (s < 0 || s >= max_slots) return;
+  const int len = acc_len[b];
+  lengths[s] += len < 0 ? 0 : (len > n ? n : len);
+}
+
 unsigned blocks_for_warps(long warps) { return unsigned((warps * kWarp + kBlock - 1) / kBlock); }
 unsigned blocks_for(long n) { return unsigned((n + kBlock - 1) / kBlock); }
 
@@ -347,13 +426,17 @@ struct DevLayer {
   const float** e_down;
 };
 
-// A device buffer that grows on demand (contents not preserved).
+// A device buffer that grows on demand (contents not preserved). With `retired`, the old
+// buffer is kept alive there instead of freed: a captured CUDA graph may still point at it.
 struct DevBuf {
   void* p = nullptr;
   size_t bytes = 0;
-  cudaError_t reserve(size_t n) {
+  cudaError_t reserve(size_t n, std::vector<void*>* retired = nullptr) {
     if (n <= bytes) return cudaSuccess;
-    if (p) cudaFree(p);
+    if (p) {
+      if (retired) retired->push_back(p);
+      else cudaFree(p);
+    }
     p = nullptr;
     bytes = 0;
     cudaError_t e = cudaMalloc(&p, n);
@@ -364,6 +447,23 @@ struct DevBuf {
   T* as() const { return static_cast<T*>(p); }
 };
 
+// Per-forward scratch. The host path and the device path have one each, so that a prefill
+// never moves a buffer that a captured round points at; the device path's never frees one.
+struct Scratch {
+  DevBuf x, h, qa, q, kva, q_lat, q_pe, o_lat, o, scores, tree_list, act, act2, ye, ys, rlogits,
+      ridx, rw, logits, hidden, tokens, positions, vis, meta, keep, tmp;
+  bool keep_old = false;       // the device path's: retire, never free
+  std::vector<void*> retired;
+  void free_all() {
+    for (DevBuf* b : {&x, &h, &qa, &q, &kva, &q_lat, &q_pe, &o_lat, &o, &scores, &tree_list,
+                      &act, &act2, &ye, &ys, &rlogits, &ridx, &rw, &logits, &hidden, &tokens,
+                      &positions, &vis, &meta, &keep, &tmp})
+      if (b->p) cudaFree(b->p);
+    for (void* p : retired) cudaFree(p);
+    retired.clear();
+  }
+};
+
 struct CudaState {
   cudaStream_t stream = nullptr;
   std::vector<void*> owned;  // every cudaMalloc of weights, tables, caches, pointer arrays
@@ -371,11 +471,10 @@ struct CudaState {
   std::vector<DevLayer> layers;
   const float *embed = nullptr, *final_norm = nullptr, *lm_head = nullptr, *cos_t = nullptr,
               *sin_t = nullptr;
-  std::vector<float*> kv;  // per layer [max_slots, max_seq, KD]
+  std::vector<float*> kv;  // per layer [max_slots + 1, max_seq, KD]
   float** kv_ptrs = nullptr;  // device copy of kv
-  // Per-forward scratch.
-  DevBuf x, h, qa, q, kva, q_lat, q_pe, o_lat, o, scores, tree_list, act, act2, ye, ys, rlogits, ridx, rw,
-      logits, hidden, tokens, positions, vis, meta, keep, tmp;
+  int32_t* lengths = nullptr;  // [max_slots + 1] the slots' committed lengths (device path's)
+  Scratch host, round;         // host path's, device path's (round.keep_old)
 };
 
 namespace {
@@ -385,6 +484,7 @@ const char* kFwd = "kdt_engine_forward";
 kdt_status upload(CudaState& s, const void* host, size_t bytes, void** dev, const char* fn) {
   KDT_CUDA_CHECK(cudaMalloc(dev, bytes), fn);
   s.owned.push_back(*dev);
+  count_sync();
   KDT_CUDA_CHECK(cudaMemcpy(*dev, host, bytes, cudaMemcpyHostToDevice), fn);
   return KDT_OK;
 }
@@ -452,7 +552,7 @@ kdt_status cuda_init(Engine& e) {
     }
     s.layers.push_back(L);
   }
-  const size_t per_layer = size_t(e.max_slots) * e.max_seq * c.kv_dim() * sizeof(float);
+  const size_t per_layer = size_t(e.max_slots + 1) * e.max_seq * c.kv_dim() * sizeof(float);
   for (int l = 0; l < c.layers; ++l) {
     void* p = nullptr;
     if (cudaMalloc(&p, per_layer) != cudaSuccess) {
@@ -467,44 +567,36 @@ kdt_status cuda_init(Engine& e) {
   }
   if ((st = upload(s, s.kv.data(), s.kv.size() * sizeof(float*), &d, fn)) != KDT_OK) return st;
   s.kv_ptrs = static_cast<float**>(d);
+  if ((st = upload(s, e.seq_len.data(), e.seq_len.size() * sizeof(int32_t), &d, fn)) != KDT_OK)
+    return st;
+  s.lengths = static_cast<int32_t*>(d);
+  s.round.keep_old = true;
   return KDT_OK;
 }
 
 void cuda_free(Engine& e) {
   CudaState* s = e.cuda;
   if (!s) return;
+  count_sync();
   if (s->stream) cudaStreamSynchronize(s->stream);
   for (void* p : s->owned) cudaFree(p);
-  for (DevBuf* b : {&s->x, &s->h, &s->qa, &s->q, &s->kva, &s->q_lat, &s->q_pe, &s->o_lat, &s->o,
-                    &s->scores, &s->tree_list, &s->act, &s->act2, &s->ye, &s->ys, &s->rlogits, &s->ridx, &s->rw,
-                    &s->logits, &s->hidden, &s->tokens, &s->positions, &s->vis, &s->meta,
-                    &s->keep, &s->tmp})
-    if (b->p) cudaFree(b->p);
+  s->host.free_all();
+  s->round.free_all();
   if (s->stream) cudaStreamDestroy(s->stream);
   delete s;
   e.cuda = nullptr;
 }
 
-kdt_status forward_cuda(Engine& e, const Batch& b) {
-  const char* fn = kFwd;
-  CudaState& s = *e.cuda;
+namespace {
+
+// Scratch for T tokens (vis_words words of visibility per token, n_capture hidden states).
+kdt_status reserve_scratch(Engine& e, Scratch& s, int T, int vis_words, int n_capture,
+                           const char* fn) {
   const HostModel& m = e.model;
   const Config& c = m.cfg;
-  const int T = b.total, D = c.hidden, H = c.heads, C = c.kv_lora, R = c.rope, N = c.nope,
-            Dv = c.v_head, QH = c.q_head(), KD = c.kv_dim(), K = c.top_k;
-  const float eps = float(c.rms_eps);
-  cudaStream_t st = s.stream;
+  const int D = c.hidden, H = c.heads, C = c.kv_lora, R = c.rope, Dv = c.v_head, QH = c.q_head(),
+            KD = c.kv_dim(), K = c.top_k;
   const size_t f = sizeof(float);
-
-  // Host-side per-token metadata: slot, prefix, node, n_b (int32 each, packed in one buffer).
-  std::vector<int32_t> meta(size_t(4) * T);
-  for (int r = 0; r < b.n_req; ++r)
-    for (int t = b.q_indptr[r]; t < b.q_indptr[r + 1]; ++t) {
-      meta[t] = b.slots[r];
-      meta[T + t] = b.prefix[r];
-      meta[2 * T + t] = t - b.q_indptr[r];
-      meta[3 * T + t] = b.q_indptr[r + 1] - b.q_indptr[r];
-    }
   const int ffn_w = std::max({c.inter, m.shared_inter, 1});
   const int moe_w = std::max(K * c.moe_inter, 1);
   struct { DevBuf* buf; size_t bytes; } need[] = {
@@ -519,40 +611,56 @@ kdt_status forward_cuda(Engine& e, const Batch& b) {
       {&s.rlogits, size_t(T) * std::max(c.n_routed, 1) * f},
       {&s.ridx, size_t(T) * std::max(K, 1) * sizeof(int)}, {&s.rw, size_t(T) * std::max(K, 1) * f},
       {&s.logits, size_t(T) * c.vocab * f},
-      {&s.hidden, size_t(T) * std::max(b.n_capture, 1) * D * f},
+      {&s.hidden, size_t(T) * std::max(n_capture, 1) * D * f},
       {&s.tokens, size_t(T) * 8}, {&s.positions, size_t(T) * 8},
-      {&s.vis, size_t(T) * b.vis_words * 4}, {&s.meta, meta.size() * 4}};
+      {&s.vis, size_t(T) * std::max(vis_words, 1) * 4}, {&s.meta, size_t(T) * 4 * 4}};
   for (auto& n : need) {
-    cudaError_t err = n.buf->reserve(n.bytes);
+    if (n.buf->bytes >= n.bytes) continue;
+    cudaError_t err = n.buf->reserve(n.bytes, s.keep_old ? &s.retired : nullptr);
     if (err != cudaSuccess) {
       cudaGetLastError();
       return set_error(KDT_ERR_OUT_OF_MEMORY, fn, "cannot allocate %zu bytes of scratch for %d "
                        "tokens: %s", n.bytes, T, cudaGetErrorString(err));
     }
   }
-  KDT_CUDA_CHECK(cudaMemcpyAsync(s.tokens.p, b.tokens, size_t(T) * 8, cudaMemcpyHostToDevice, st), fn);
-  KDT_CUDA_CHECK(cudaMemcpyAsync(s.positions.p, b.positions, size_t(T) * 8, cudaMemcpyHostToDevice, st), fn);
-  KDT_CUDA_CHECK(cudaMemcpyAsync(s.vis.p, b.visibility, size_t(T) * b.vis_words * 4, cudaMemcpyHostToDevice, st), fn);
-  KDT_CUDA_CHECK(cudaMemcpyAsync(s.meta.p, meta.data(), meta.size() * 4, cudaMemcpyHostToDevice, st), fn);
-  const int32_t* md = s.meta.as<int32_t>();
-  TokenMeta tm{md, md + T, md + 2 * T, md + 3 * T, s.positions.as<int64_t>(),
-               s.vis.as<uint32_t>(), b.vis_words};
+  return KDT_OK;
+}
+
+bool scratch_fits(const Engine& e, const Scratch& s, int T, int vis_words) {
+  const Config& c = e.model.cfg;
+  return s.logits.bytes >= size_t(T) * c.vocab * sizeof(float) &&
+         s.scores.bytes >= size_t(T) * c.heads * e.max_seq * sizeof(float) &&
+         s.x.bytes >= size_t(T) * c.hidden * sizeof(float) && s.meta.bytes >= size_t(T) * 16 &&
+         s.vis.bytes >= size_t(T) * std::max(vis_words, 1) * 4 && s.tokens.bytes >= size_t(T) * 8;
+}
+
+// The layers, final norm and LM head over T tokens whose ids and metadata are on the device.
+// capture (host array, n_capture entries) picks the hidden states written to hidden
+// [T, n_capture, D]; logits [T, V] is written when non-null.
+void run_layers(Engine& e, Scratch& s, int T, const TokenMeta& tm, const int64_t* tokens,
+                int n_capture, const int32_t* capture_layers, float* hidden, float* logits,
+                cudaStream_t st) {
+  const HostModel& m = e.model;
+  const Config& c = m.cfg;
+  CudaState& cs = *e.cuda;
+  const int D = c.hidden, H = c.heads, C = c.kv_lora, R = c.rope, N = c.nope, Dv = c.v_head,
+            QH = c.q_head(), KD = c.kv_dim(), K = c.top_k;
+  const float eps = float(c.rms_eps);
   float *x = s.x.as<float>(), *h = s.h.as<float>();
   auto linear = [&](const float* W, const float* in, float* out, int in_dim, int out_dim, int acc) {
     linear_kernel<<<blocks_for_warps(long(T) * out_dim), kBlock, 0, st>>>(W, in, out, T, in_dim,
                                                                           out_dim, acc);
   };
   auto capture = [&](int k) {
-    for (int ci = 0; ci < b.n_capture; ++ci)
-      if (b.capture[ci] == k)
-        capture_kernel<<<blocks_for(long(T) * D), kBlock, 0, st>>>(x, s.hidden.as<float>(), T, D,
-                                                                   b.n_capture, ci);
+    for (int ci = 0; ci < n_capture; ++ci)
+      if (capture_layers[ci] == k)
+        capture_kernel<<<blocks_for(long(T) * D), kBlock, 0, st>>>(x, hidden, T, D, n_capture, ci);
   };
 
-  embed_kernel<<<T, 128, 0, st>>>(s.embed, s.tokens.as<int64_t>(), x, T, D);
+  embed_kernel<<<T, 128, 0, st>>>(cs.embed, tokens, x, T, D);
   capture(0);
   for (int l = 0; l < c.layers; ++l) {
-    const DevLayer& w = s.layers[l];
+    const DevLayer& w = cs.layers[l];
     rmsnorm_kernel<<<T, kNormThreads, 0, st>>>(x, D, w.in_norm, h, D, D, eps);
     if (c.q_lora > 0) {
       linear(w.q_a, h, s.qa.as<float>(), D, c.q_lora, 0);
@@ -564,11 +672,11 @@ kdt_status forward_cuda(Engine& e, const Batch& b) {
     }
     linear(w.kv_a, h, s.kva.as<float>(), D, KD, 0);
     kv_store_kernel<<<T, kNormThreads, 0, st>>>(s.kva.as<float>(), w.kv_a_norm, eps, C, R, tm,
-                                                e.max_seq, s.cos_t, s.sin_t, s.kv[l]);
+                                                e.max_seq, cs.cos_t, cs.sin_t, cs.kv[l]);
     q_absorb_kernel<<<T * H, 128, 0, st>>>(s.q.as<float>(), w.kv_b, T, H, N, R, Dv, C, tm,
-                                           s.cos_t, s.sin_t, s.q_lat.as<float>(), s.q_pe.as<float>());
+                                           cs.cos_t, cs.sin_t, s.q_lat.as<float>(), s.q_pe.as<float>());
     attention_kernel<<<T * H, kAttnThreads, 0, st>>>(s.q_lat.as<float>(), s.q_pe.as<float>(),
-                                                     s.kv[l], H, C, R, tm, e.max_seq,
+                                                     cs.kv[l], H, C, R, tm, e.max_seq,
                                                      float(c.softmax_scale), s.scores.as<float>(),
                                                      s.tree_list.as<int>(), s.o_lat.as<float>());
     uv_kernel<<<blocks_for_warps(long(T) * H * Dv), kBlock, 0, st>>>(w.kv_b, s.o_lat.as<float>(),
@@ -605,9 +713,42 @@ kdt_status forward_cuda(Engine& e, const Batch& b) {
     }
     capture(l + 1);
   }
-  rmsnorm_kernel<<<T, kNormThreads, 0, st>>>(x, D, s.final_norm, x, D, D, eps);
+  rmsnorm_kernel<<<T, kNormThreads, 0, st>>>(x, D, cs.final_norm, x, D, D, eps);
   capture(c.layers + 1);
-  if (b.logits) linear(s.lm_head, x, s.logits.as<float>(), D, c.vocab, 0);
+  if (logits) linear(cs.lm_head, x, logits, D, c.vocab, 0);
+}
+
+}  // namespace
+
+kdt_status forward_cuda(Engine& e, const Batch& b) {
+  const char* fn = kFwd;
+  CudaState& cs = *e.cuda;
+  Scratch& s = cs.host;
+  const Config& c = e.model.cfg;
+  const int T = b.total, D = c.hidden;
+  cudaStream_t st = cs.stream;
+  const size_t f = sizeof(float);
+
+  // Host-side per-token metadata: slot, prefix, node, n_b (int32 each, packed in one buffer).
+  std::vector<int32_t> meta(size_t(4) * T);
+  for (int r = 0; r < b.n_req; ++r)
+    for (int t = b.q_indptr[r]; t < b.q_indptr[r + 1]; ++t) {
+      meta[t] = b.slots[r];
+      meta[T + t] = b.prefix[r];
+      meta[2 * T + t] = t - b.q_indptr[r];
+      meta[3 * T + t] = b.q_indptr[r + 1] - b.q_indptr[r];
+    }
+  kdt_status rs = reserve_scratch(e, s, T, b.vis_words, b.n_capture, fn);
+  if (rs != KDT_OK) return rs;
+  KDT_CUDA_CHECK(cudaMemcpyAsync(s.tokens.p, b.tokens, size_t(T) * 8, cudaMemcpyHostToDevice, st), fn);
+  KDT_CUDA_CHECK(cudaMemcpyAsync(s.positions.p, b.positions, size_t(T) * 8, cudaMemcpyHostToDevice, st), fn);
+  KDT_CUDA_CHECK(cudaMemcpyAsync(s.vis.p, b.visibility, size_t(T) * b.vis_words * 4, cudaMemcpyHostToDevice, st), fn);
+  KDT_CUDA_CHECK(cudaMemcpyAsync(s.meta.p, meta.data(), meta.size() * 4, cudaMemcpyHostToDevice, st), fn);
+  const int32_t* md = s.meta.as<int32_t>();
+  TokenMeta tm{md, md + T, md + 2 * T, md + 3 * T, s.positions.as<int64_t>(),
+               s.vis.as<uint32_t>(), b.vis_words};
+  run_layers(e, s, T, tm, s.tokens.as<int64_t>(), b.n_capture, b.capture, s.hidden.as<float>(),
+             b.logits ? s.logits.as<float>() : nullptr, st);
   KDT_CUDA_CHECK(cudaGetLastError(), fn);
   if (b.logits)
     KDT_CUDA_CHECK(cudaMemcpyAsync(b.logits, s.logits.p, size_t(T) * c.vocab * f,
@@ -615,13 +756,101 @@ kdt_status forward_cuda(Engine& e, const Batch& b) {
   if (b.hidden && b.n_capture > 0)
     KDT_CUDA_CHECK(cudaMemcpyAsync(b.hidden, s.hidden.p, size_t(T) * b.n_capture * D * f,
                                    cudaMemcpyDeviceToHost, st), fn);
+  count_sync();
   KDT_CUDA_CHECK(cudaStreamSynchronize(st), fn);
+  return KDT_OK;
+}
+
+kdt_status verify_cuda(Engine& e, const RoundBatch& b) {
+  const char* fn = "kdt_engine_verify";
+  CudaState& cs = *e.cuda;
+  Scratch& s = cs.round;
+  const Config& c = e.model.cfg;
+  const int T = b.n_req * b.n;
+  cudaStream_t st = static_cast<cudaStream_t>(b.stream);
+  if (!scratch_fits(e, s, T, b.vis_words)) {
+    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+    KDT_CUDA_CHECK(cudaStreamIsCapturing(st, &cap), fn);
+    if (cap != cudaStreamCaptureStatusNone)
+      return set_error(KDT_ERR_INVALID_ARGUMENT, fn, "%d tokens need more scratch than was "
+                       "reserved, inside a CUDA graph capture: call it once outside the capture "
+                       "with the same shapes first", T);
+    kdt_status rs = reserve_scratch(e, s, T, b.vis_words, 1, fn);
+    if (rs != KDT_OK) return rs;
+  }
+  round_meta_kernel<<<blocks_for(T), kBlock, 0, st>>>(
+      b.slots, cs.lengths, b.tokens, b.positions, b.n_req, b.n, e.max_slots, e.max_seq, c.vocab,
+      s.meta.as<int32_t>(), s.tokens.as<int64_t>(), s.positions.as<int64_t>());
+  const int32_t* md = s.meta.as<int32_t>();
+  TokenMeta tm{md, md + T, md + 2 * T, md + 3 * T, s.positions.as<int64_t>(), b.visibility,
+               b.vis_words};
+  const int32_t final_norm = c.layers + 1;
+  float* logits = b.logits ? b.logits : s.logits.as<float>();
+  run_layers(e, s, T, tm, s.tokens.as<int64_t>(), b.hidden ? 1 : 0, &final_norm, b.hidden,
+             logits, st);
+  argmax_kernel<<<blocks_for_warps(T), kBlock, 0, st>>>(logits, b.tokens, T, c.vocab, b.argmax);
+  KDT_CUDA_CHECK(cudaGetLastError(), fn);
+  return KDT_OK;
+}
+
+kdt_status commit_accepted_cuda(Engine& e, const AcceptBatch& a) {
+  const char* fn = "kdt_engine_commit_accepted";
+  CudaState& cs = *e.cuda;
+  Scratch& s = cs.round;
+  const int KD = e.model.cfg.kv_dim(), layers = e.model.cfg.layers;
+  cudaStream_t st = static_cast<cudaStream_t>(a.stream);
+  const size_t need = size_t(layers) * a.n_req * a.n * KD * sizeof(float);
+  if (s.tmp.bytes < need) {
+    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+    KDT_CUDA_CHECK(cudaStreamIsCapturing(st, &cap), fn);
+    if (cap != cudaStreamCaptureStatusNone)
+      return set_error(KDT_ERR_INVALID_ARGUMENT, fn, "scratch for %d x %d rows was not reserved "
+                       "before a CUDA graph capture: call it once outside the capture first",
+                       a.n_req, a.n);
+    if (s.tmp.reserve(need, &s.retired) != cudaSuccess) {
+      cudaGetLastError();
+      return set_error(KDT_ERR_OUT_OF_MEMORY, fn, "cannot allocate %zu bytes of scratch", need);
+    }
+  }
+  dim3 grid(a.n_req * a.n, layers);
+  // Two launches: every accepted row is read (into tmp) before any is written.
+  accepted_rows_kernel<<<grid, 128, 0, st>>>(cs.kv_ptrs, a.slots, cs.lengths, a.accept_index,
+                                             a.accept_len, a.n_req, a.n, e.max_slots, e.max_seq,
+                                             KD, s.tmp.as<float>(), 0);
+  accepted_rows_kernel<<<grid, 128, 0, st>>>(cs.kv_ptrs, a.slots, cs.lengths, a.accept_index,
+                                             a.accept_len, a.n_req, a.n, e.max_slots, e.max_seq,
+                                             KD, s.tmp.as<float>(), 1);
+  lengths_add_kernel<<<blocks_for(a.n_req), kBlock, 0, st>>>(cs.lengths, a.slots, a.accept_len,
+                                                             a.n_req, a.n, e.max_slots);
+  KDT_CUDA_CHECK(cudaGetLastError(), fn);
+  e.host_lengths_stale = true;
+  return KDT_OK;
+}
+
+int32_t* cuda_lengths(Engine& e) { return e.cuda->lengths; }
+
+kdt_status lengths_to_host(Engine& e) {
+  if (!e.host_lengths_stale) return KDT_OK;
+  // The device path ran on the caller's stream: wait for all of it, then read the lengths.
+  count_sync();
+  KDT_CUDA_CHECK(cudaDeviceSynchronize(), "kdt_engine (lengths)");
+  KDT_CUDA_CHECK(cudaMemcpy(e.seq_len.data(), e.cuda->lengths, e.seq_len.size() * sizeof(int32_t),
+                            cudaMemcpyDeviceToHost), "kdt_engine (lengths)");
+  e.host_lengths_stale = false;
+  return KDT_OK;
+}
+
+kdt_status length_to_device(Engine& e, int slot) {
+  count_sync();
+  KDT_CUDA_CHECK(cudaMemcpy(e.cuda->lengths + slot, &e.seq_len[slot], sizeof(int32_t),
+                            cudaMemcpyHostToDevice), "kdt_engine (lengths)");
   return KDT_OK;
 }
 
 kdt_status commit_cuda(Engine& e, int slot, int n_keep, const int32_t* keep) {
   const char* fn = "kdt_engine_commit";
-  CudaState& s = *e.cuda;
+  CudaState& cs = *e.cuda;
+  Scratch& s = cs.host;
   const int KD = e.model.cfg.kv_dim(), layers = e.model.cfg.layers, P = e.seq_len[slot];
   if (n_keep > 0) {
     if (s.keep.reserve(size_t(n_keep) * 4) != cudaSuccess ||
@@ -630,18 +859,19 @@ kdt_status commit_cuda(Engine& e, int slot, int n_keep, const int32_t* keep) {
       return set_error(KDT_ERR_OUT_OF_MEMORY, fn, "cannot allocate compaction scratch");
     }
     KDT_CUDA_CHECK(cudaMemcpyAsync(s.keep.p, keep, size_t(n_keep) * 4, cudaMemcpyHostToDevice,
-                                   s.stream), fn);
+                                   cs.stream), fn);
     const size_t row0 = size_t(slot) * e.max_seq + P;
     dim3 grid(n_keep, layers);
     // Two launches: every kept row is read (into tmp) before any is written.
-    gather_rows_kernel<<<grid, 128, 0, s.stream>>>(s.kv_ptrs, s.keep.as<int32_t>(),
-                                                   s.tmp.as<float>(), row0, n_keep, KD);
-    scatter_rows_kernel<<<grid, 128, 0, s.stream>>>(s.kv_ptrs, s.tmp.as<float>(), row0, n_keep, KD);
+    gather_rows_kernel<<<grid, 128, 0, cs.stream>>>(cs.kv_ptrs, s.keep.as<int32_t>(),
+                                                    s.tmp.as<float>(), row0, n_keep, KD);
+    scatter_rows_kernel<<<grid, 128, 0, cs.stream>>>(cs.kv_ptrs, s.tmp.as<float>(), row0, n_keep, KD);
     KDT_CUDA_CHECK(cudaGetLastError(), fn);
-    KDT_CUDA_CHECK(cudaStreamSynchronize(s.stream), fn);
+    count_sync();
+    KDT_CUDA_CHECK(cudaStreamSynchronize(cs.stream), fn);
   }
   e.seq_len[slot] = P + n_keep;
-  return KDT_OK;
+  return length_to_device(e, slot);
 }
 
 }  // namespace engine

@@ -313,6 +313,23 @@ class BlockDrafter:
         with torch.no_grad():
             return self.net(h[None], valid, root_t)[0]
 
+    def draft_batch(self, inp, k):
+        """The round's interface (engine/native/round.py): every row's last context_size hidden
+        states gathered from inp.hidden (left-padded where P < C), one batched forward, top-K
+        of the log-softmax. Torch backend only; no host synchronisation."""
+        import torch
+
+        if self.backend != "torch":
+            raise ValueError("BlockDrafter.draft_batch needs the torch backend")
+        C, D = self.cfg.context_size, inp.hidden.shape[-1]
+        pos = inp.lengths[:, None] - C + torch.arange(C, device=inp.lengths.device)[None, :]
+        valid = pos >= 0                                                        # [B, C]
+        flat = inp.rows[:, None] * inp.hidden.shape[1] + pos.clamp(min=0)
+        ctx = inp.hidden.view(-1, D)[flat.reshape(-1)].view(-1, C, D)          # [B, C, D]
+        logits = self.net(ctx, valid, inp.roots)                                # [B, L, V]
+        top = torch.topk(torch.log_softmax(logits, -1), min(int(k), logits.shape[-1]), dim=-1)
+        return top.values.contiguous(), top.indices.contiguous()
+
     def draft(self, committed, root, hidden, k):
         from engine.drafters.topk import topk_from_logits
 

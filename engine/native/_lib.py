@@ -66,6 +66,7 @@ _SIG = {
     "kdt_last_error": (ctypes.c_char_p, []),
     "kdt_version": (ctypes.c_char_p, []),
     "kdt_has_cuda": (ctypes.c_int, []),
+    "kdt_sync_count": (ctypes.c_uint64, []),
     "kdt_cuda_device_count": (ctypes.c_int, []),
     "kdt_device_alloc": (ctypes.c_int, [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]),
     "kdt_device_free": (ctypes.c_int, [_P]),
@@ -110,6 +111,10 @@ class Library:
     @property
     def version(self) -> str:
         return self.cdll.kdt_version().decode()
+
+    def sync_count(self) -> int:
+        """How many times the library has waited for the device so far (kdt_sync_count)."""
+        return int(self.cdll.kdt_sync_count())
 
     def cuda_device_count(self) -> int:
         return int(self.cdll.kdt_cuda_device_count())

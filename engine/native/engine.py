@@ -9,6 +9,11 @@ the library reads it itself (cuda/src/model_load.cpp). One code path serves both
 step is the verify of a one-node tree (the root alone), a DDTree round the verify of the
 drafted tree; the library computes each token's row with arithmetic that does not depend on
 the batch, so DDTree output equals AR output token for token.
+
+A round (engine/native/round.py) runs on the engine's device from drafting to commit and ends
+with one small copy home; on CUDA it is a CUDA graph per (batch bucket, mode, budget, drafter).
+The slots' state lives on the device: their committed lengths (the library's), the final-norm
+hidden states of their committed tokens (the drafters' context) and their next root tokens.
 """
 
 from __future__ import annotations
@@ -16,12 +21,14 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 
 import numpy as np
 
 from ._lib import BACKEND_CPU, BACKEND_CUDA, NativeError, library
+from .round import Round
 
 _P = ctypes.c_void_p
 _I32 = ctypes.c_int32
@@ -36,6 +43,12 @@ _SIG = {
     #  capture_layers, logits, hidden)
     "kdt_engine_forward": (ctypes.c_int, [_P, _I32, _P, _P, _P, _P, _P, _I32, _I32, _P, _P, _P]),
     "kdt_engine_commit": (ctypes.c_int, [_P, _I32, _I32, _P]),
+    "kdt_engine_lengths": (ctypes.c_int, [_P, ctypes.POINTER(ctypes.c_void_p)]),
+    # (engine, stream, n_req, n, slots, tokens, positions, visibility, vis_words, argmax,
+    #  hidden, logits)
+    "kdt_engine_verify": (ctypes.c_int, [_P, _P, _I32, _I32, _P, _P, _P, _P, _I32, _P, _P, _P]),
+    # (engine, stream, n_req, n, slots, accept_index, accept_len)
+    "kdt_engine_commit_accepted": (ctypes.c_int, [_P, _P, _I32, _I32, _P, _P, _P]),
 }
 
 DEFAULT_ORACLE_QUALITY = 0.8
@@ -68,8 +81,11 @@ class EngineStats:
     tree_sizes: list = dataclasses.field(default_factory=list)  # [request][round], nodes verified
     new_tokens: int = 0  # tokens returned, all requests
     seconds: float = 0.0  # wall time of generate (oracle truth excluded)
-    draft_seconds: float = 0.0  # drafting + tree build
-    forward_seconds: float = 0.0  # target forwards (prefill included)
+    prefill_seconds: float = 0.0  # the prompts' batched forward + their state on the device
+    round_seconds: float = 0.0  # the decode rounds (each ends with its one host sync)
+    # Per phase of the round (round.PHASES), summed over the rounds; only with profile=True
+    # (CUDA events around per-phase graphs on CUDA, the monotonic clock on the CPU).
+    phase_seconds: dict = dataclasses.field(default_factory=dict)
 
     @property
     def mean_accept_length(self) -> float:
@@ -90,76 +106,72 @@ class GenerateResult:
 
 @dataclasses.dataclass
 class _Slot:
-    committed: list  # tokens in the cache (prompt + accepted)
-    hidden_buf: np.ndarray  # [max_seq, D]; rows [0, len(committed)) are the final-norm hidden
-    #                         states of the committed tokens (the drafters' input)
+    length: int  # committed rows in the cache (prompt + accepted); the device holds the same
     out: list  # generated tokens so far; out[-1] is the root (not yet in the cache)
     reported: int = 0  # how many of `out` step() has returned already
     accept_lengths: list = dataclasses.field(default_factory=list)
     tree_sizes: list = dataclasses.field(default_factory=list)
 
-    @property
-    def hidden(self) -> np.ndarray:
-        return self.hidden_buf[:len(self.committed)]
+
+class _DeviceLengths:
+    """The library's int32 [n] lengths in device memory, seen by torch (__cuda_array_interface__)."""
+
+    def __init__(self, ptr: int, n: int):
+        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "<i4", "data": (ptr, False),
+                                         "version": 3, "strides": None}
 
 
-@dataclasses.dataclass
-class _OneNodeTree:
-    """The AR step as a tree: the root alone (the shapes of engine.reference.ddtree.Tree, n = 1)."""
-
-    tokens: np.ndarray
-    first_child: np.ndarray
-    next_sibling: np.ndarray
-    num_nodes: np.ndarray
-    positions: np.ndarray
-    visibility: np.ndarray
-
-    @classmethod
-    def make(cls, roots, seq_lens):
-        bs = len(roots)
-        return cls(tokens=np.asarray(roots, np.int64).reshape(bs, 1),
-                   first_child=np.full((bs, 1), -1, np.int64),
-                   next_sibling=np.full((bs, 1), -1, np.int64),
-                   num_nodes=np.ones(bs, np.int32),
-                   positions=np.asarray(seq_lens, np.int64).reshape(bs, 1),
-                   visibility=np.ones((bs, 1, 1), np.uint32))
+def _bucket(n: int) -> int:
+    """The batch bucket of n requests: the next power of two (rows past n are padding)."""
+    b = 1
+    while b < n:
+        b *= 2
+    return b
 
 
 class Engine:
     """FP32 target model in libkdtree with a latent KV cache per request slot.
 
-    Engine(weights_dir, device="cpu"|"cuda", max_slots=32, max_seq=1024)
+    Engine(weights_dir, device="cpu"|"cuda", max_slots=32, max_seq=1024, graphs=None,
+           profile=False)
       max_slots requests at once, each with up to max_seq cache rows (prompt + generated +
-      budget + 1 must fit; positions must be < max_seq).
+      budget + 1 must fit; positions must be < max_seq). graphs: capture each round as a CUDA
+      graph (default: on for CUDA, unless KDTREE_GRAPHS=0; the CPU backend never does).
+      profile: time every phase of every round (EngineStats.phase_seconds; slower).
 
     Whole generations:
       generate(prompt_ids, max_new_tokens, mode="ar"|"ddtree", budget=63, drafter=None)
         prompt_ids: one list of token ids, or a list of lists (a batch decoded together).
-        drafter: None = the block drafter stored with the weights (engine.drafters);
-          "oracle" or "oracle:<quality>" = the noisy ORACLE (engine.drafters.oracle.NoisyOracleDrafter,
-          handed the true greedy continuation, which this engine computes first by AR and does
-          not count in the stats); or any object with `depth` and `draft(committed, root,
-          hidden, k)`, or a list of such objects, one per prompt (see oracle_drafters()).
+        drafter: None or "block" = the block drafter stored with the weights
+          (engine.drafters.block, batched on the engine's device); "oracle" or
+          "oracle:<quality>" = the noisy ORACLE (engine.drafters.oracle.OracleDrafter, handed
+          the true greedy continuation, which this engine computes first by AR and does not
+          count in the stats); an OracleBatch from oracle_drafters() (build it before timing);
+          or any object with `depth` and `draft_batch(DraftInput, k)` (engine/native/round.py).
         Returns GenerateResult(tokens, stats): tokens int64 [max_new_tokens] (a list of them for
         a batch), stats an EngineStats (accepted lengths per round, target forwards, seconds).
 
-    Step level (for a server; one batched target forward per step):
+    Step level (for a server; one batched round per step):
       add(prompt_ids) -> slot        prefills the prompt; the first new token (the prefill's
                                      argmax) is returned by the slot's next step()
       step(mode, budget, drafter) -> {slot: [new tokens]}
-                                     advances every active slot by one AR step or one DDTree
-                                     round; drafter as in generate (an object, or a dict slot ->
-                                     object; a string only "block"/None), K = min(budget, vocab)
+                                     advances every active slot (or `slots`) by one AR step or
+                                     one DDTree round; drafter None/"block" or an object as in
+                                     generate; K = min(budget, vocab)
       release(slot)                  frees the slot for reuse
       tokens(slot)                   every token generated for the slot so far
 
-    Low level: forward(...) and commit(...) mirror kdt_engine_forward / kdt_engine_commit.
+    Low level: forward(...) and commit(...) mirror kdt_engine_forward / kdt_engine_commit (the
+    host path, which the prefill uses); verify(...) and commit_accepted(...) mirror the device
+    path's kdt_engine_verify / kdt_engine_commit_accepted on torch tensors.
     """
 
     def __init__(self, weights_dir, device: str = "cpu", max_slots: int = 32,
-                 max_seq: int = 1024):
+                 max_seq: int = 1024, graphs: bool | None = None, profile: bool = False):
         if device not in ("cpu", "cuda"):
             raise ValueError(f"Engine: device={device!r} must be 'cpu' or 'cuda'")
+        import torch
+
         self.weights_dir = Path(weights_dir)
         self.device = device
         self._lib = _bind(library())
@@ -180,6 +192,21 @@ class Engine:
         self._final_hidden = np.array([self.num_layers + 1], np.int32)  # capture index
         self._slots: dict[int, _Slot] = {}
         self._block_drafter = None
+        self._oracles: dict = {}
+        self._rounds: dict = {}
+        # The slots' state on the device; slot max_slots is the scratch slot (padding rows).
+        self.torch_device = torch.device(device)
+        self.scratch_slot = self.max_slots
+        self.lengths = self._lengths_view(torch)                    # int32 [slots + 1]
+        self.hidden_ctx = torch.zeros((self.max_slots + 1, self.max_seq, self.hidden_size),
+                                      dtype=torch.float32, device=self.torch_device)
+        self.next_root = torch.zeros(self.max_slots + 1, dtype=torch.int64,
+                                     device=self.torch_device)
+        if graphs is None:
+            graphs = os.environ.get("KDTREE_GRAPHS", "1") != "0"
+        self.graphs = bool(graphs) and device == "cuda"
+        self.profile = bool(profile)
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
 
     # ------------------------------------------------------------ plumbing
 
@@ -191,8 +218,26 @@ class Engine:
         self._call("kdt_engine_dim", self._handle, name.encode(), ctypes.byref(v))
         return int(v.value)
 
+    def _lengths_view(self, torch):
+        """The library's lengths array as a torch tensor sharing its memory."""
+        ptr = ctypes.c_void_p()
+        self._call("kdt_engine_lengths", self._handle, ctypes.byref(ptr))
+        n = self.max_slots + 1
+        if self.device == "cuda":
+            return torch.as_tensor(_DeviceLengths(ptr.value, n), device=self.torch_device)
+        arr = np.ctypeslib.as_array((ctypes.c_int32 * n).from_address(ptr.value))
+        return torch.from_numpy(arr)
+
+    def _stream(self):
+        if self.device != "cuda":
+            return None
+        import torch
+
+        return torch.cuda.current_stream(self.torch_device).cuda_stream
+
     def close(self) -> None:
         if getattr(self, "_handle", None):
+            self._rounds.clear()  # graphs first: they point into the library's buffers
             self._lib.cdll.kdt_engine_destroy(self._handle)
             self._handle = None
 
@@ -244,6 +289,36 @@ class Engine:
         self._call("kdt_engine_commit", self._handle, int(slot), len(keep),
                    _ptr(keep) if len(keep) else None)
 
+    def verify(self, rows, tokens, positions, visibility):
+        """The device path's target pass (kdt_engine_verify) on torch tensors of the engine's
+        device: rows int64 [B] (slots; the scratch slot for padding), tokens / positions int64
+        [B, n], visibility uint32 [B, n, W]. Returns (argmax int64 [B, n], hidden float32
+        [B, n, D]) without synchronising."""
+        import torch
+
+        B, n = tokens.shape
+        rows32 = rows.to(torch.int32)
+        tokens, positions = tokens.contiguous(), positions.contiguous()
+        visibility = visibility.contiguous()
+        argmax = torch.empty((B, n), dtype=torch.int64, device=self.torch_device)
+        hidden = torch.empty((B, n, self.hidden_size), dtype=torch.float32,
+                             device=self.torch_device)
+        self._call("kdt_engine_verify", self._handle, self._stream(), B, n, rows32.data_ptr(),
+                   tokens.data_ptr(), positions.data_ptr(), visibility.data_ptr(),
+                   visibility.shape[2], argmax.data_ptr(), hidden.data_ptr(), None)
+        return argmax, hidden
+
+    def commit_accepted(self, rows, accept_index, accept_len) -> None:
+        """The device path's commit (kdt_engine_commit_accepted): rows int64 [B],
+        accept_index int32 [B, n], accept_len int32 [B] as kdt_tree_accept writes them."""
+        import torch
+
+        B, n = accept_index.shape
+        rows32 = rows.to(torch.int32)
+        accept_index, accept_len = accept_index.contiguous(), accept_len.contiguous()
+        self._call("kdt_engine_commit_accepted", self._handle, self._stream(), B, n,
+                   rows32.data_ptr(), accept_index.data_ptr(), accept_len.data_ptr())
+
     # ------------------------------------------------------------ step level
 
     def add(self, prompt_ids) -> int:
@@ -251,6 +326,8 @@ class Engine:
         return self._add_many([prompt_ids])[0]
 
     def _add_many(self, prompts) -> list:
+        import torch
+
         prompts = [np.asarray(p, np.int64).reshape(-1) for p in prompts]
         free = [s for s in range(self.max_slots) if s not in self._slots]
         if len(prompts) > len(free):
@@ -277,14 +354,17 @@ class Engine:
         logits, hidden = self.forward(slots, prompts, [np.arange(len(p)) for p in prompts], vis,
                                       self._final_hidden)
         start = 0
+        roots = []
         for s, p in zip(slots, prompts):
             n = len(p)
             self.commit(s, np.arange(n))
-            buf = np.empty((self.max_seq, self.hidden_size), np.float32)
-            buf[:n] = hidden[start:start + n, 0]
-            self._slots[s] = _Slot(committed=p.tolist(), hidden_buf=buf,
-                                   out=[int(np.argmax(logits[start + n - 1]))])
+            self.hidden_ctx[s, :n] = torch.from_numpy(hidden[start:start + n, 0]).to(self.torch_device)
+            root = int(np.argmax(logits[start + n - 1]))
+            roots.append(root)
+            self._slots[s] = _Slot(length=n, out=[root])
             start += n
+        self.next_root[torch.tensor(slots, device=self.torch_device)] = torch.tensor(
+            roots, dtype=torch.int64, device=self.torch_device)
         return slots
 
     def release(self, slot: int) -> None:
@@ -298,13 +378,13 @@ class Engine:
 
     def step(self, mode: str = "ar", budget: int = 63, drafter=None, slots=None) -> dict:
         """Advance every active slot (or `slots`) by one AR step or one DDTree round in one
-        batched target forward; returns {slot: tokens generated since the last step}."""
+        batched round; returns {slot: tokens generated since the last step}."""
         slots = sorted(self._slots) if slots is None else list(slots)
         for s in slots:
             if s not in self._slots:
                 raise KeyError(f"Engine.step: slot {s} is not active")
         if slots:
-            self._round(slots, mode, budget, self._drafters_for(drafter, slots, mode), None)
+            self._round(slots, mode, budget, self._step_drafter(drafter, mode), None)
         out = {}
         for s in slots:
             st = self._slots[s]
@@ -312,97 +392,70 @@ class Engine:
             st.reported = len(st.out)
         return out
 
-    def _drafters_for(self, drafter, slots, mode) -> dict:
+    def _step_drafter(self, drafter, mode):
         if mode != "ddtree":
-            return {}
-        if isinstance(drafter, dict):
-            missing = [s for s in slots if s not in drafter]
-            if missing:
-                raise ValueError(f"Engine.step: no drafter for slots {missing}")
-            return drafter
+            return None
         if drafter is None or drafter == "block":
-            drafter = self.block_drafter()
-        elif isinstance(drafter, str):
+            return self.block_drafter()
+        if isinstance(drafter, str):
             raise ValueError(f"Engine.step: drafter {drafter!r}: the oracle needs the true "
-                             "continuation; use generate(), or pass drafter objects per slot")
-        return {s: drafter for s in slots}
+                             "continuation; use generate(), or pass an OracleBatch's drafter "
+                             "after assigning its slots")
+        return _check_drafter(drafter, "Engine.step")
 
     def block_drafter(self):
-        """The block drafter stored with the weights (loaded once): its numpy backend for the CPU
-        engine (about 1 ms per draft here, against about 0.5 s for the torch backend on this
-        loaded 2-core machine), its torch backend on the GPU for the CUDA engine."""
+        """The block drafter stored with the weights (loaded once), batched on the engine's
+        device (torch, CPU or CUDA)."""
         if self._block_drafter is None:
-            from engine.drafters.block import BlockDrafter  # lazily: another area's module
+            from engine.drafters.block import BlockDrafter  # lazily: torch and the weights
 
-            if self.device == "cpu":
-                self._block_drafter = BlockDrafter.from_dir(self.weights_dir, backend="numpy")
-            else:
-                self._block_drafter = BlockDrafter.from_dir(self.weights_dir, backend="torch",
-                                                            device="cuda")
+            self._block_drafter = BlockDrafter.from_dir(self.weights_dir, backend="torch",
+                                                        device=self.device)
         return self._block_drafter
 
-    def _round(self, slots, mode, budget, drafters, stats) -> None:
-        """One AR step (a one-node tree) or DDTree round for `slots`, in one target forward."""
-        from . import tree as native_tree  # the native tree build / accept kernels (CPU)
+    def _round_for(self, n: int, mode: str, budget: int, drafter) -> Round:
+        key = (_bucket(n), mode, int(budget) if mode == "ddtree" else 0, id(drafter))
+        r = self._rounds.get(key)
+        if r is None or r.drafter is not drafter:
+            r = Round(self, key[0], mode, key[2], drafter, self.graphs, self.profile)
+            self._rounds[key] = r
+        return r
 
-        t0 = time.perf_counter()
-        states = [self._slots[s] for s in slots]
-        roots = [st.out[-1] for st in states]
-        seq_lens = np.array([len(st.committed) for st in states], np.int64)
-        if mode == "ar":
-            tree = _OneNodeTree.make(roots, seq_lens)
-        elif mode == "ddtree":
-            k = min(int(budget), self.vocab_size)
-            drafts = [drafters[s].draft(np.asarray(st.committed, np.int64), st.out[-1],
-                                        st.hidden, k) for s, st in zip(slots, states)]
-            shapes = {np.asarray(lp).shape for lp, _ in drafts}
-            if len(shapes) != 1:
-                raise ValueError(f"Engine.step: drafters returned different [L, K] shapes {shapes}")
-            top_logp = np.ascontiguousarray(np.stack([np.asarray(lp, np.float32) for lp, _ in drafts]))
-            top_ids = np.ascontiguousarray(np.stack([np.asarray(i, np.int64) for _, i in drafts]))
-            tree = native_tree.build_tree(top_logp, top_ids, int(budget),
-                                          np.asarray(roots, np.int64), seq_lens, device="cpu")
-        else:
+    def _round(self, slots, mode, budget, drafter, stats) -> None:
+        """One AR step (a one-node tree) or DDTree round for `slots` (buckets of at most the
+        largest bucket; one round each)."""
+        import torch
+
+        if mode not in ("ar", "ddtree"):
             raise ValueError(f"Engine: mode={mode!r} must be 'ar' or 'ddtree'")
-        nn = np.asarray(tree.num_nodes)
-        for s, P, n in zip(slots, seq_lens, nn):
-            if P + n > self.max_seq:
-                raise RuntimeError(f"Engine: slot {s} holds {P} rows; a tree of {n} nodes "
-                                   f"overflows max_seq {self.max_seq} (raise max_seq)")
-        t1 = time.perf_counter()
-        logits, hidden = self.forward(
-            slots, [tree.tokens[b, :n] for b, n in enumerate(nn)],
-            [tree.positions[b, :n] for b, n in enumerate(nn)],
-            [tree.visibility[b, :n] for b, n in enumerate(nn)], self._final_hidden)
-        t2 = time.perf_counter()
-        n_slots = tree.tokens.shape[1]
-        target_argmax = np.full((len(slots), n_slots), -1, np.int64)
-        start = 0
-        for b, n in enumerate(nn):
-            target_argmax[b, :n] = np.argmax(logits[start:start + n], axis=-1)
-            start += int(n)
-        acc = native_tree.accept_greedy(tree, target_argmax, device="cpu")
-        if np.any(acc.status != 0):
-            raise RuntimeError(f"Engine: accept walk status {acc.status.tolist()} on trees built "
-                               "by kdt_tree_build (a bug)")
-        start = 0
-        for b, (s, st) in enumerate(zip(slots, states)):
-            length = int(acc.accept_len[b])
-            path = acc.accept_index[b, :length].astype(np.int64)
-            self.commit(s, path)
-            P = len(st.committed)
-            st.hidden_buf[P:P + length] = hidden[start + path, 0]
-            st.committed.extend(int(t) for t in tree.tokens[b, path])
-            st.out.extend(int(t) for t in tree.tokens[b, path[1:]])
-            st.out.append(int(acc.bonus[b]))
-            st.accept_lengths.append(length)
-            st.tree_sizes.append(int(nn[b]))
-            start += int(nn[b])
-        if stats is not None:
-            stats.target_forwards += 1
-            stats.rounds += 1
-            stats.draft_seconds += t1 - t0
-            stats.forward_seconds += t2 - t1
+        width = int(budget) + 1 if mode == "ddtree" else 1
+        if mode == "ddtree" and not 1 <= int(budget) <= 1024:
+            raise ValueError(f"Engine: budget {budget} is outside [1, 1024]")
+        for s in slots:
+            if self._slots[s].length + width > self.max_seq:
+                raise RuntimeError(f"Engine: slot {s} holds {self._slots[s].length} rows; a tree "
+                                   f"of {width} nodes overflows max_seq {self.max_seq} (raise "
+                                   "max_seq)")
+        cap = _bucket(self.max_slots)
+        with torch.no_grad():
+            for i in range(0, len(slots), cap):
+                chunk = slots[i:i + cap]
+                rnd = self._round_for(len(chunk), mode, budget, drafter)
+                t0 = time.perf_counter()
+                res = rnd.run(chunk)
+                if stats is not None:
+                    stats.round_seconds += time.perf_counter() - t0
+                    stats.target_forwards += 1
+                    stats.rounds += 1
+                    for p, sec in (rnd.last_phase_seconds or {}).items():
+                        stats.phase_seconds[p] = stats.phase_seconds.get(p, 0.0) + sec
+                for row, s in enumerate(chunk):
+                    st = self._slots[s]
+                    a, nodes = int(res[row, 0]), int(res[row, 1])
+                    st.out.extend(int(t) for t in res[row, 2:2 + a])
+                    st.length += a
+                    st.accept_lengths.append(a)
+                    st.tree_sizes.append(nodes)
 
     # ------------------------------------------------------------ whole generations
 
@@ -422,21 +475,24 @@ class Engine:
         if need > self.max_seq:
             raise ValueError(f"Engine.generate: longest prompt + max_new_tokens + tree width = "
                              f"{need} exceeds max_seq {self.max_seq} (raise max_seq)")
-        per_request = None
+        oracle = None
+        drafter_obj = None
         if mode == "ddtree":
-            per_request = self._resolve_drafter(drafter, prompts, max_new_tokens, oracle_seed)
+            drafter_obj, oracle = self._resolve_drafter(drafter, prompts, max_new_tokens,
+                                                        oracle_seed)
         stats = EngineStats(mode=mode, device=self.device, budget=int(budget) if mode == "ddtree" else 0)
         t0 = time.perf_counter()
         slots = self._add_many(prompts)
+        if oracle is not None:
+            oracle.assign(self, slots)
         stats.target_forwards += 1
-        stats.forward_seconds += time.perf_counter() - t0
+        stats.prefill_seconds = time.perf_counter() - t0
         try:
-            drafters = {} if per_request is None else dict(zip(slots, per_request))
             while True:
                 active = [s for s in slots if len(self._slots[s].out) < max_new_tokens]
                 if not active:
                     break
-                self._round(active, mode, budget, drafters, stats)
+                self._round(active, mode, budget, drafter_obj, stats)
             stats.seconds = time.perf_counter() - t0
             tokens = [np.array(self._slots[s].out[:max_new_tokens], np.int64) for s in slots]
             stats.accept_lengths = [list(self._slots[s].accept_lengths) for s in slots]
@@ -448,9 +504,12 @@ class Engine:
                     self.release(s)
         return GenerateResult(tokens=tokens[0] if single else tokens, stats=stats)
 
-    def _resolve_drafter(self, drafter, prompts, max_new_tokens, seed) -> list:
+    def _resolve_drafter(self, drafter, prompts, max_new_tokens, seed):
+        """(the drafter object, the OracleBatch to assign to the slots or None)."""
+        from engine.drafters.oracle import OracleBatch  # lazily: another area's module
+
         if drafter is None or drafter == "block":
-            return [self.block_drafter()] * len(prompts)
+            return self.block_drafter(), None
         if isinstance(drafter, str):
             name, _, q = drafter.partition(":")
             if name != "oracle":
@@ -463,24 +522,34 @@ class Engine:
                                  "number") from None
             if not 0.0 <= quality <= 1.0:
                 raise ValueError(f"Engine.generate: drafter={drafter!r}: quality outside [0, 1]")
-            return self.oracle_drafters(prompts, max_new_tokens, quality, seed)
-        if isinstance(drafter, (list, tuple)):
-            if len(drafter) != len(prompts) or not all(hasattr(d, "draft") for d in drafter):
-                raise ValueError(f"Engine.generate: a list of drafters needs one object with "
-                                 f"draft() per prompt ({len(prompts)}), got {len(drafter)}")
-            return list(drafter)
-        if not hasattr(drafter, "draft"):
-            raise TypeError(f"Engine.generate: drafter {type(drafter).__name__} has no draft()")
-        return [drafter] * len(prompts)
+            drafter = self.oracle_drafters(prompts, max_new_tokens, quality, seed)
+        if isinstance(drafter, OracleBatch):
+            if len(drafter.truths) != len(prompts):
+                raise ValueError(f"Engine.generate: the OracleBatch holds {len(drafter.truths)} "
+                                 f"truths for {len(prompts)} prompts")
+            return drafter.drafter, drafter
+        return _check_drafter(drafter, "Engine.generate"), None
 
     def oracle_drafters(self, prompts, max_new_tokens: int, quality: float, seed: int = 0,
-                        depth: int = 15) -> list:
-        """One NoisyOracleDrafter per prompt, handed the true greedy continuation (computed here
-        by AR, max_new_tokens + depth + 1 tokens): build them before timing a generate."""
-        from engine.drafters.oracle import NoisyOracleDrafter  # lazily: another area's module
+                        depth: int = 15):
+        """An OracleBatch for these prompts: the engine's oracle of this quality (one per
+        quality and depth, so that its rounds' graphs are reused) and each prompt's true greedy
+        continuation (computed here by AR, max_new_tokens + depth + 1 tokens), seeded seed + i.
+        Build it before timing a generate."""
+        from engine.drafters.oracle import OracleBatch, OracleDrafter  # lazily: another area's
 
         prompts = [np.asarray(p, np.int64).reshape(-1) for p in prompts]
         truth = self.generate(prompts, max_new_tokens + depth + 1, mode="ar").tokens
-        return [NoisyOracleDrafter(np.concatenate([p, t]), self.vocab_size, depth=depth,
-                                   quality=quality, seed=seed + i)
-                for i, (p, t) in enumerate(zip(prompts, truth))]
+        key = (float(quality), int(depth))
+        if key not in self._oracles:
+            self._oracles[key] = OracleDrafter(self.vocab_size, depth=depth, quality=quality)
+        return OracleBatch(self._oracles[key], [np.concatenate([p, t]) for p, t in zip(prompts, truth)],
+                           [seed + i for i in range(len(prompts))])
+
+
+def _check_drafter(drafter, where: str):
+    if not (hasattr(drafter, "draft_batch") and hasattr(drafter, "depth")):
+        raise TypeError(f"{where}: drafter {type(drafter).__name__} has no depth and "
+                        "draft_batch(DraftInput, k) (engine/native/round.py): the round drafts "
+                        "every request at once on the engine's device")
+    return drafter

@@ -61,6 +61,9 @@ KDT_API const char* kdt_last_error(void);
 KDT_API const char* kdt_version(void);
 /* 1 if this build contains the CUDA backend, else 0. */
 KDT_API int kdt_has_cuda(void);
+/* How many times the library has waited for the device so far (stream / device synchronise,
+ * blocking copies): tests count a decode round's synchronisations with it. */
+KDT_API uint64_t kdt_sync_count(void);
 /* Number of visible CUDA devices (0 when none or a CPU-only build). Never fails. */
 KDT_API int kdt_cuda_device_count(void);
 
@@ -180,6 +183,29 @@ KDT_API kdt_status kdt_verify_attention(kdt_backend backend, void* stream, kdt_d
  * kdt_engine_commit: keeps uncommitted rows P + keep[0..n_keep) as rows P .. P + n_keep - 1
  *   (all kept rows are read before any is written) and sets the slot's length to P + n_keep.
  * kdt_engine_reset_slot: sets a slot's committed length to 0 (release / reuse).
+ *
+ * The device path: one decode round without the host (docs/ENGINE.md, "The round"). Buffers
+ * live where the backend computes (CUDA: device memory; CPU: host memory); on CUDA the calls
+ * are asynchronous on `stream` (NULL: the legacy default stream), never synchronise, and never
+ * allocate once they have run once with the same shapes, so a CUDA graph can capture them.
+ * Values are not checked on the host (they are on the device): kernels clamp every index.
+ * Trees are padded to n nodes (kdt_tree_build writes token -1 past num_nodes: such nodes run
+ * on token 0 at position P and are never committed). Slot max_slots is the scratch slot: a
+ * batch bucket's padding rows name it; its length stays 0 and nothing is committed to it.
+ * kdt_engine_lengths: the committed length of every slot, int32 [max_slots + 1], where the
+ *   backend keeps it (CUDA: device memory), valid while the engine lives. The device path
+ *   updates it; host-path calls see the update (they copy it back, synchronising, first).
+ * kdt_engine_verify: the target pass over n_req requests of n nodes: slots [n_req] int32,
+ *   tokens and positions [n_req, n] int64, visibility [n_req, n, vis_words] uint32 (as
+ *   kdt_tree_build writes them). Request b attends to its slot's committed rows
+ *   0 .. P_b - 1 (P_b = lengths[slots[b]], P_b + n <= max_seq) and to its visible nodes; node
+ *   i's KV goes to row P_b + i (not committed). Writes argmax [n_req, n] int64 (the first
+ *   maximal logit, -1 for padding nodes), hidden [n_req, n, hidden] float32 (the final norm's
+ *   output; may be NULL) and logits [n_req * n, vocab] float32 (may be NULL).
+ * kdt_engine_commit_accepted: for every request b on a real slot, keeps rows
+ *   P_b + accept_index[b, 0 .. accept_len[b]) as rows P_b .. in order and adds accept_len[b]
+ *   to its length (accept_index int32 [n_req, n], accept_len int32 [n_req], as
+ *   kdt_tree_accept writes them).
  */
 typedef struct kdt_engine kdt_engine;
 
@@ -187,7 +213,7 @@ KDT_API kdt_status kdt_engine_create(kdt_backend backend, const char* weights_di
                                      int32_t max_slots, int32_t max_seq, kdt_engine** out);
 KDT_API void kdt_engine_destroy(kdt_engine* engine);
 KDT_API kdt_status kdt_engine_dim(const kdt_engine* engine, const char* name, int64_t* value);
-KDT_API kdt_status kdt_engine_seq_len(const kdt_engine* engine, int32_t slot, int32_t* len);
+KDT_API kdt_status kdt_engine_seq_len(kdt_engine* engine, int32_t slot, int32_t* len);
 KDT_API kdt_status kdt_engine_reset_slot(kdt_engine* engine, int32_t slot);
 KDT_API kdt_status kdt_engine_forward(kdt_engine* engine, int32_t n_req, const int32_t* slots,
                                       const int32_t* q_indptr, const int64_t* tokens,
@@ -197,6 +223,16 @@ KDT_API kdt_status kdt_engine_forward(kdt_engine* engine, int32_t n_req, const i
                                       float* hidden);
 KDT_API kdt_status kdt_engine_commit(kdt_engine* engine, int32_t slot, int32_t n_keep,
                                      const int32_t* keep);
+KDT_API kdt_status kdt_engine_lengths(kdt_engine* engine, int32_t** lengths);
+KDT_API kdt_status kdt_engine_verify(kdt_engine* engine, void* stream, int32_t n_req, int32_t n,
+                                     const int32_t* slots, const int64_t* tokens,
+                                     const int64_t* positions, const uint32_t* visibility,
+                                     int32_t vis_words, int64_t* argmax, float* hidden,
+                                     float* logits);
+KDT_API kdt_status kdt_engine_commit_accepted(kdt_engine* engine, void* stream, int32_t n_req,
+                                              int32_t n, const int32_t* slots,
+                                              const int32_t* accept_index,
+                                              const int32_t* accept_len);
 
 #ifdef __cplusplus
 } /* extern "C" */
