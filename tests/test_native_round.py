@@ -180,6 +180,7 @@ def test_every_drafter_keeps_ddtree_equal_to_ar_in_batches(weights, device):
         assert [t.tolist() for t in r.tokens] == ar, f"{ctx}: {drafter} B={budget}: != AR"
         taus.append(r.stats.mean_accept_length)
     assert taus[1] < taus[2] < taus[3], f"{ctx}: tau does not rise with quality: {taus}"
+    assert taus[3] > 3.0, f"{ctx}: the 0.95 oracle accepts only {taus[3]:.2f} per round"
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -106,15 +106,19 @@ class OracleDrafter:
         self.spread = float(spread)
         self.table = None   # int64 [slots + 1, max_seq] the true tokens by slot and position
         self.seeds = None   # int64 [slots + 1] each slot's request seed
+        self.version = 0    # bumped when the buffers are replaced (a captured round re-captures)
 
     def assign(self, engine, slot: int, truth, seed: int) -> None:
         """Hand slot `slot` of `engine` its request's true sequence (prompt + continuation)."""
         import torch
 
         S, T = engine.max_slots + 1, engine.max_seq
-        if self.table is None or self.table.shape != (S, T) or self.table.device != engine.torch_device:
+        if self.table is None or tuple(self.table.shape) != (S, T) or \
+                self.table.device != engine.torch_device:
+            # New buffers: rounds captured on the old ones see `version` change and re-capture.
             self.table = torch.zeros((S, T), dtype=torch.int64, device=engine.torch_device)
             self.seeds = torch.zeros(S, dtype=torch.int64, device=engine.torch_device)
+            self.version += 1
         truth = np.asarray(truth, np.int64)[:T]
         row = np.empty(T, np.int64)
         row[:len(truth)] = truth

@@ -195,7 +195,8 @@ class Engine:
         self._oracles: dict = {}
         self._rounds: dict = {}
         # The slots' state on the device; slot max_slots is the scratch slot (padding rows).
-        self.torch_device = torch.device(device)
+        self.torch_device = torch.device("cuda", torch.cuda.current_device()) \
+            if device == "cuda" else torch.device("cpu")
         self.scratch_slot = self.max_slots
         self.lengths = self._lengths_view(torch)                    # int32 [slots + 1]
         self.hidden_ctx = torch.zeros((self.max_slots + 1, self.max_seq, self.hidden_size),

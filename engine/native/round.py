@@ -66,6 +66,7 @@ class Round:
                                        pin_memory=self.cuda)
         self.k = min(self.budget, engine.vocab_size) if mode == "ddtree" else 0
         self._graphs = None  # [(phase names, CUDAGraph)]
+        self._captured_version = None  # the drafter's `version` when captured
         if self.cuda:
             self._done = torch.cuda.Event()
             self._events = [torch.cuda.Event(enable_timing=True) for _ in range(len(PHASES) + 1)]
@@ -179,8 +180,10 @@ class Round:
         if not self.cuda:
             self.rows.copy_(self.host_rows)
             return self._run_cpu()
-        if self.graphs and self._graphs is None:
-            self._capture()
+        version = getattr(self.drafter, "version", 0)
+        if self.graphs and (self._graphs is None or version != self._captured_version):
+            self._capture()  # first use, or the drafter replaced the buffers a graph reads
+            self._captured_version = version
         self.rows.copy_(self.host_rows, non_blocking=True)
         if self.profile:
             return self._run_profiled()
