@@ -155,13 +155,20 @@ def serve(c, host=None, mode="ddtree", budget=63, port=8000, weights=None, accep
 
 @task(auto_shortflags=False, help=HOST_HELP | {
     "run": "a run id, latest, or all (default: every complete run not yet in results/)",
-    "no_commit": "download and verify only", "allow_dirty": "commit results of a dirty engine tree (recorded)"})
+    "no_commit": "download and verify only", "allow_dirty": "commit results of a dirty engine tree (recorded)",
+    "max_run_bytes": "refuse a run whose files add up to more bytes than this (536870912 = 512 MiB)"})
 @_guarded
 def fetch_results(c, host=None, dry_run=False, json=False, accept_new_host_key=False, run=None,
-                  no_commit=False, allow_dirty=False):
+                  no_commit=False, allow_dirty=False, max_run_bytes=512 * 1024 * 1024):
     """Bring complete runs home verified into results/<host>/, regenerate the report, commit."""
+    try:
+        cap = int(max_run_bytes)
+    except (TypeError, ValueError):
+        cap = 0
+    if cap <= 0:
+        _fail(f"error: fetch-results: --max-run-bytes {max_run_bytes!r}: expected a positive integer", 5)
     _remote("fetch_results", host, json, dry_run=dry_run, accept_new_host_key=accept_new_host_key, run=run,
-            no_commit=no_commit, allow_dirty=allow_dirty)
+            no_commit=no_commit, allow_dirty=allow_dirty, max_run_bytes=cap)
 
 
 @task(auto_shortflags=False, help=HOST_HELP)
