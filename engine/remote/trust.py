@@ -47,7 +47,7 @@ MANIFEST_MAX_BYTES = 16 * 1024 * 1024
 MAX_JSON_DEPTH = 64                          # manifests and suites are a few levels deep
 MAX_TREE_ENTRIES = 100_000
 IDLE_TIMEOUT_S = 60.0                        # a transfer that sends nothing this long is given up
-RUN_ID_RE = re.compile(r"^(\d{8})T(\d{6})Z-([0-9a-f]{7,40}|nogit)(-dirty)?-(test|bench)$")
+RUN_ID_RE = re.compile(r"(\d{8})T(\d{6})Z-([0-9a-f]{7,40}|nogit)(-dirty)?-(test|bench)")  # fullmatch
 _GIT_SPECIAL = {".git", ".gitattributes", ".gitmodules", ".gitignore", "git~1"}
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -71,7 +71,7 @@ def printable(text, limit: int = 160) -> str:
 def check_run_id(rid) -> str | None:
     if not isinstance(rid, str):
         return f"run id is a {type(rid).__name__}, not a string"
-    m = RUN_ID_RE.match(rid)
+    m = RUN_ID_RE.fullmatch(rid)
     if not m:
         return "not a run id of this tool (<UTC yyyymmddThhmmssZ>-<git short sha>[-dirty]-<test|bench>)"
     d, t = m.group(1), m.group(2)
