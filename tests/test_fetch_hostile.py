@@ -198,6 +198,13 @@ def test_folder_names_that_are_not_run_ids_are_refused_before_reading(repo, host
         fetch(host, repo, run=name)
 
 
+def test_bench_json_nested_past_the_recursion_limit_is_refused(repo, host):
+    craft_run(host.remote_dir, GOOD, {"r.json": b"{}"})
+    craft_run(host.remote_dir, BAD, {"kernels.json": b"[" * 200_000 + b"]" * 200_000, "broken.json": b"{"})
+    out = fetch(host, repo)
+    assert_refused_alone(out, repo, "box", BAD, "kernels.json: JSON nested too deeply to parse")
+
+
 def test_run_over_the_size_cap_is_refused(repo, host):
     craft_run(host.remote_dir, GOOD, {"r.json": b"{}"})
     craft_run(host.remote_dir, BAD, {"big.bin": b"x" * 5000})
@@ -302,6 +309,23 @@ def test_planted_attack_over_ssh(repo, ssh_host, tmp_path, plant):
     out = fetch(ssh_host, repo)
     assert_refused_alone(out, repo, "sshbox", BAD, reason)
     assert not (outside / "PWNED").exists()
+
+
+def test_ssh_listing_lies_about_a_missing_file(repo, ssh_host, monkeypatch):
+    """A file the listing claims but SFTP cannot open refuses that run alone, not the fetch."""
+    craft_run(ssh_host.remote_dir, GOOD, {"r.json": b"{}"})
+    d = craft_run(ssh_host.remote_dir, BAD, {"r.json": b"{}"})
+    real = trust.remote_tree
+
+    def listing_then_delete(t, run_dir, timeout):
+        tree = real(t, run_dir, timeout)
+        if run_dir.endswith(BAD):
+            (d / "r.json").unlink()  # gone between the listing and the transfer
+        return tree
+
+    monkeypatch.setattr(trust, "remote_tree", listing_then_delete)
+    out = fetch(ssh_host, repo)
+    assert_refused_alone(out, repo, "sshbox", BAD, "r.json: cannot read it over SFTP")
 
 
 def test_ssh_listing_lies_fifo_times_out_and_big_file_is_capped(repo, ssh_host, monkeypatch):

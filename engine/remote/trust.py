@@ -23,7 +23,8 @@ outside its run folder here, run anything here (git included), or stall a fetch 
                                     and a transfer silent for idle_s
     verify_run_folder(folder, rid, cap) -> manifest: the local re-check before any commit:
                                     every entry a real folder or regular file, exactly the
-                                    listed files plus manifest.json, sizes and sha256 match
+                                    listed files plus manifest.json, sizes and sha256 match,
+                                    every .json parseable without blowing the stack
 
 Every refusal is a `Refused(reason)`: one line, with host-chosen text escaped by `printable`.
 """
@@ -350,7 +351,9 @@ def _stream_sftp(t: Transport, src: str, out, max_bytes: int, idle_s: float, wha
     except (socket.timeout, TimeoutError):
         _drop_sftp(t)
         raise Refused(f"{what}: no data for {idle_s:g} s (transfer given up)") from None
-    except (OSError, paramiko.SSHException) as e:
+    except OSError as e:  # the sftp-server's answer for this file (missing, not readable, ...)
+        raise Refused(f"{what}: cannot read it over SFTP ({printable(e, 120)})") from None
+    except (paramiko.SSHException, EOFError) as e:  # the session itself failed
         _drop_sftp(t)
         raise TransferError(f"get {printable(src)}: {printable(e, 120)}", host=t.host.name, step="fetch") from None
     finally:
@@ -385,6 +388,23 @@ def _sha256_fd(f) -> str:
     for block in iter(lambda: f.read(1 << 20), b""):
         h.update(block)
     return h.hexdigest()
+
+
+MAX_JSON_FILE_BYTES = 64 * 1024 * 1024
+
+
+def _check_json_file(path: Path, rel: str) -> None:
+    """Reports and compare parse every .json of a run: one nested past Python's recursion limit
+    (or too large to parse) is refused here rather than crashing them. Invalid JSON is kept: a
+    bench that died mid-write is still a result to look at."""
+    if path.stat().st_size > MAX_JSON_FILE_BYTES:
+        raise Refused(f"{printable(rel)}: a JSON file over {MAX_JSON_FILE_BYTES} bytes")
+    try:
+        json.loads(path.read_bytes())
+    except RecursionError:
+        raise Refused(f"{printable(rel)}: JSON nested too deeply to parse") from None
+    except ValueError:
+        pass
 
 
 def verify_run_folder(folder: Path, rid: str, max_run_bytes: int = DEFAULT_MAX_RUN_BYTES) -> dict:
@@ -432,6 +452,8 @@ def verify_run_folder(folder: Path, rid: str, max_run_bytes: int = DEFAULT_MAX_R
                 sha = _sha256_fd(f)
             if sha != e["sha256"]:
                 raise Refused(f"{printable(rel)}: sha256 {sha[:16]}..., manifest says {e['sha256'][:16]}...")
+            if rel.endswith(".json"):
+                _check_json_file(Path(p), rel)
     missing = sorted(set(listed) - seen)
     if missing:
         raise Refused(f"{printable(missing[0])}: missing" + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""))
