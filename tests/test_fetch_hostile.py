@@ -237,6 +237,17 @@ def test_leftover_run_that_does_not_verify_is_removed_not_committed(repo, host, 
     assert_refused_alone(out, repo, "box", BAD, "s: not a regular file")
 
 
+def test_folders_not_named_like_runs_are_left_alone(repo, host):
+    craft_run(host.remote_dir, GOOD, {"r.json": b"{}"})
+    notes = repo / "results/box/notes"
+    notes.mkdir(parents=True)
+    (notes / "manifest.json").write_text("[]")
+    out = fetch(host, repo)
+    assert out.error is None and out.run_ids == [GOOD]
+    assert (notes / "manifest.json").read_text() == "[]"
+    assert "results/box/notes/manifest.json" not in git(repo, "ls-files", "results").split()
+
+
 def test_leftover_incoming_folder_is_never_committed(repo, host):
     craft_run(host.remote_dir, GOOD, {"r.json": b"{}"})
     inc = repo / "results/box" / f".incoming-{BAD}-999999999"

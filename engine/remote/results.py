@@ -134,7 +134,9 @@ def uncommitted_runs(repo_root: Path, host_dir: Path) -> list[str]:
         parts = PurePosixPath(p.strip('"')).parts
         if len(parts) > len(PurePosixPath(rel).parts):
             names.add(parts[len(PurePosixPath(rel).parts)])
-    return sorted(n for n in names if not n.startswith(".") and (host_dir / n).is_dir())
+    # Only folders named like runs are ours to commit (or, when they do not verify, to remove);
+    # anything else a person put under results/<host>/ is left alone.
+    return sorted(n for n in names if trust.check_run_id(n) is None and (host_dir / n).is_dir())
 
 
 def _discard(repo_root: Path, folder: Path) -> None:
