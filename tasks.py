@@ -155,13 +155,20 @@ def serve(c, host=None, mode="ddtree", budget=63, port=8000, weights=None, accep
 
 @task(auto_shortflags=False, help=HOST_HELP | {
     "run": "a run id, latest, or all (default: every complete run not yet in results/)",
-    "no_commit": "download and verify only", "allow_dirty": "commit results of a dirty engine tree (recorded)"})
+    "no_commit": "download and verify only", "allow_dirty": "commit results of a dirty engine tree (recorded)",
+    "max_run_bytes": "refuse a run whose files add up to more bytes than this (536870912 = 512 MiB)"})
 @_guarded
 def fetch_results(c, host=None, dry_run=False, json=False, accept_new_host_key=False, run=None,
-                  no_commit=False, allow_dirty=False):
+                  no_commit=False, allow_dirty=False, max_run_bytes=512 * 1024 * 1024):
     """Bring complete runs home verified into results/<host>/, regenerate the report, commit."""
+    try:
+        cap = int(max_run_bytes)
+    except (TypeError, ValueError):
+        cap = 0
+    if cap <= 0:
+        _fail(f"error: fetch-results: --max-run-bytes {max_run_bytes!r}: expected a positive integer", 5)
     _remote("fetch_results", host, json, dry_run=dry_run, accept_new_host_key=accept_new_host_key, run=run,
-            no_commit=no_commit, allow_dirty=allow_dirty)
+            no_commit=no_commit, allow_dirty=allow_dirty, max_run_bytes=cap)
 
 
 @task(auto_shortflags=False, help=HOST_HELP)
@@ -259,18 +266,6 @@ def report(c, host=None):
         print(f"{name}: report written: {written}")
 
 
-def _run_dir(spec: str) -> Path:
-    """A run folder from a path or a run id under results/<host>/."""
-    p = Path(spec)
-    if p.is_dir():
-        return p
-    hits = sorted((REPO / "results").glob(f"*/{spec}"))
-    if len(hits) != 1:
-        _fail(f"error: compare: {spec!r}: " + ("no such run under results/" if not hits else
-              f"found in several hosts: {', '.join(str(h) for h in hits)}"), 5)
-    return hits[0]
-
-
 class _AgainstArgument(Argument):
     """--against, which also marks RUN_B as given (as "", meaning "not given"), so that
     `compare RUN --against latest` parses although RUN_B is positional: Invoke's positional
@@ -294,25 +289,21 @@ class _CompareTask(Task):
 
 
 @task(klass=_CompareTask, positional=["run_a", "run_b"], auto_shortflags=False,
-      help={"run_a": "baseline run (id or path)", "run_b": "candidate run (id or path), compared against RUN_A",
+      help={"run_a": "baseline run (id, path or latest)", "run_b": "candidate run (id, path or latest), compared against RUN_A",
             "against": "latest: compare RUN_A against the newest other bench run of its host (then no RUN_B)",
             "threshold": "slowdown fraction that counts as a regression (0.05)"})
 @_guarded
 def compare(c, run_a, run_b=None, against=None, threshold=0.05):
-    """Compare runs like with like: `compare RUN_A RUN_B` or `compare RUN --against latest`;
-    exit 2 on a regression beyond the threshold."""
-    from engine.remote.compare import compare_runs, latest_run
+    """Compare runs like with like: `compare RUN_A RUN_B` (either may be latest) or `compare RUN
+    --against latest`; exit 2 on a regression beyond the allowed change, 5 when nothing compares."""
+    from engine.remote.compare import compare_runs, resolve_pair
     run_b = run_b or None  # "" = left out (see _AgainstArgument)
     if against not in (None, "latest") or (run_b is None) == (against is None):
         _fail("error: compare: give RUN_B (compare RUN_A RUN_B) or --against latest, not both", 5)
-    a = _run_dir(run_a)
-    if against == "latest":
-        base = latest_run(a.parent, exclude=a)
-        if base is None:
-            _fail(f"error: compare: no other bench run under {a.parent} to compare {a.name} against", 5)
-        a, b = base, a
-    else:
-        b = _run_dir(run_b)
+    try:  # `latest` may stand for either run; --against latest: RUN_A is the candidate
+        a, b = resolve_pair(REPO / "results", "latest", run_a) if against else resolve_pair(REPO / "results", run_a, run_b)
+    except ValueError as e:
+        _fail(f"error: compare: {e}", 5)
     try:
         cmp = compare_runs(a, b, float(threshold))
     except ValueError as e:  # not bench runs, a bad threshold: the user's input

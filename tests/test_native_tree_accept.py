@@ -132,9 +132,11 @@ def test_accept_rejects_bad_arguments():
     with pytest.raises(ValueError, match="tree.first_child: dtype"):
         native().accept_greedy(Links(tree.tokens, tree.first_child.astype(np.int32),
                                      tree.next_sibling, None), tgt)
-    with pytest.raises(ValueError, match="num_nodes"):
-        native().accept_greedy(Links(tree.tokens, tree.first_child, tree.next_sibling,
-                                     np.array([0, 5], np.int32)), tgt)
+    # num_nodes outside [1, n] is a malformed tree, not a bad argument: status 1 for that request
+    bad_count = Links(tree.tokens, tree.first_child, tree.next_sibling, np.array([0, 5], np.int32))
+    got = native().accept_greedy(bad_count, tgt)
+    assert got.status[0] == 1 and got.accept_len[0] == 1
+    assert_same(got, ddtree.accept_greedy(bad_count, tgt), FIELDS_ACCEPT, "num_nodes [0, 5]")
 
 
 @pytest.mark.cuda

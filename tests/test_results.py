@@ -144,8 +144,12 @@ def test_corrupted_file_refused_nothing_kept(repo, host):
     (d / "r.json").write_text("{} ")  # one byte longer than the manifest says
     head = git(repo, "rev-parse", "HEAD").strip()
     out = fetch(host, repo)
-    assert out.exit_code == 3 and "r.json: size 3, manifest says 2" in str(out.error)
+    assert out.exit_code == 3 and "r.json: size 3 on the host, manifest says 2" in str(out.error)
     assert git(repo, "rev-parse", "HEAD").strip() == head
+    assert not (repo / "results/box" / rid).exists() and not list((repo / "results/box").glob(".incoming-*"))
+    (d / "r.json").write_text("[]")  # the listed size, other bytes: the sha256 check refuses it
+    out = fetch(host, repo)
+    assert out.exit_code == 3 and "r.json: sha256 " in str(out.error) and "manifest says" in str(out.error)
     assert not (repo / "results/box" / rid).exists() and not list((repo / "results/box").glob(".incoming-*"))
 
 

@@ -7,10 +7,14 @@ numpy outputs (device="cuda" copies through the library's device helpers); torch
 torch tensors on the inputs' device.
 
 Differences from the reference, on purpose:
-- Value checks (finite, rows sorted descending, seq_lens >= 0, num_nodes in [1, n]) run for
-  numpy and torch CPU inputs only: on CUDA tensors they would synchronise the host. The kernels
-  never hang or read out of bounds on bad values (accept reports num_nodes outside [1, n] as
-  status 1), but the tree is unspecified.
+- Value checks (finite, rows sorted descending, 0 <= seq_lens <= INT64_MAX - L so that every
+  position seq_len + depth fits int64) run for numpy and torch CPU inputs only: on CUDA tensors
+  they would synchronise the host. The kernels never hang or read out of bounds on bad values,
+  but the tree is unspecified.
+- A malformed tree given to accept_greedy (links out of range, cycles, duplicate sibling tokens,
+  num_nodes outside [1, n]) is a status per request, as in the reference and the C ABI, never
+  an exception. Arguments that are not numpy arrays or torch tensors (lists, tuples, other
+  array-likes) are a TypeError naming the argument; wrong shapes or dtypes a ValueError.
 - K > budget is accepted like in the reference: ranks >= budget can never be selected (rank r
   needs its r lower siblings first), so the first `budget` columns are passed to the kernel.
 """
@@ -24,8 +28,18 @@ from engine.reference.ddtree import MAX_BUDGET, Accept, Tree
 from ._lib import Call, _is_torch, library
 
 
+INT64_MAX = np.iinfo(np.int64).max
+
+
 def _shape(x) -> tuple:
     return tuple(x.shape)
+
+
+def _require_array(fn: str, name: str, x) -> None:
+    """numpy arrays and torch tensors only: an array-like would be converted silently (and a
+    list has no shape to check), so it is refused by name."""
+    if not (isinstance(x, np.ndarray) or _is_torch(x)):
+        raise TypeError(f"{fn}: {name}: expected a numpy array or a torch tensor, got {type(x).__name__}")
 
 
 def _check_values_build(top_logp, seq_lens) -> None:
@@ -44,6 +58,12 @@ def _check_values_build(top_logp, seq_lens) -> None:
     if len(neg):
         b = int(neg[0][0])
         raise ValueError(f"build_tree: seq_lens: negative length {sl[b]} at [{b}]")
+    L = lp.shape[1]
+    big = np.argwhere(sl > INT64_MAX - L)
+    if len(big):
+        b = int(big[0][0])
+        raise ValueError(f"build_tree: seq_lens: {sl[b]} at [{b}] would overflow int64 positions "
+                         f"(seq_len + depth, depth <= {L}; at most {INT64_MAX - L})")
 
 
 def _on_host(x) -> bool:
@@ -60,6 +80,8 @@ def build_tree(top_logp, top_ids, budget, root_ids, seq_lens, device: str = "cpu
     if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)):
         raise ValueError(f"build_tree: budget: expected an integer, got {type(budget).__name__}")
     budget = int(budget)
+    for name, x in (("top_logp", top_logp), ("top_ids", top_ids), ("root_ids", root_ids), ("seq_lens", seq_lens)):
+        _require_array("build_tree", name, x)
     if not 1 <= budget <= MAX_BUDGET:
         raise ValueError(f"build_tree: budget: {budget} is outside [1, {MAX_BUDGET}]")
     if len(_shape(top_logp)) != 3:
@@ -74,6 +96,8 @@ def build_tree(top_logp, top_ids, budget, root_ids, seq_lens, device: str = "cpu
             top_logp, top_ids = top_logp.contiguous(), top_ids.contiguous()
         else:
             top_logp, top_ids = np.ascontiguousarray(top_logp), np.ascontiguousarray(top_ids)
+    if _shape(seq_lens) != (bs,):
+        raise ValueError(f"build_tree: seq_lens: shape {_shape(seq_lens)}, expected {(bs,)}")
     if _on_host(top_logp) and _on_host(seq_lens) and bs > 0 and L > 0 and K > 0:
         _check_values_build(top_logp, seq_lens)
 
@@ -109,25 +133,25 @@ def accept_greedy(tree, target_argmax, device: str = "cpu") -> Accept:
     `num_nodes` int32 [bs]; target_argmax int64 [bs, n]. Malformed trees give a nonzero
     status per request, never an exception or a hang.
     """
-    tokens = getattr(tree, "tokens", None)
-    if tokens is None or len(_shape(tokens)) != 2 or _shape(tokens)[1] < 1:
-        raise ValueError("accept_greedy: tree.tokens: expected shape [bs, n] with n >= 1, got "
-                         f"{None if tokens is None else _shape(tokens)}")
-    bs, n = _shape(tokens)
+    for name in ("tokens", "first_child", "next_sibling"):
+        _require_array("accept_greedy", f"tree.{name}", getattr(tree, name, None))
     num_nodes = getattr(tree, "num_nodes", None)
-    if num_nodes is not None and _on_host(num_nodes):
-        nn = num_nodes.numpy() if _is_torch(num_nodes) else np.asarray(num_nodes)
-        bad = np.argwhere((nn < 1) | (nn > n))
-        if len(bad):
-            b = int(bad[0][0])
-            raise ValueError(f"accept_greedy: tree.num_nodes: {nn[b]} at [{b}] is outside [1, {n}]")
+    if num_nodes is not None:
+        _require_array("accept_greedy", "tree.num_nodes", num_nodes)
+    _require_array("accept_greedy", "target_argmax", target_argmax)
+    tokens = tree.tokens
+    if len(_shape(tokens)) != 2 or _shape(tokens)[1] < 1:
+        raise ValueError("accept_greedy: tree.tokens: expected shape [bs, n] with n >= 1, got "
+                         f"{_shape(tokens)}")
+    bs, n = _shape(tokens)
+    # num_nodes outside [1, n] is a malformed tree: the kernel reports it as status 1 per request.
 
     lib = library()
     c = Call(lib, "kdt_tree_accept", device)
     ins = [
         c.input("tree.tokens", tokens, np.int64, (bs, n)),
-        c.input("tree.first_child", getattr(tree, "first_child", None), np.int64, (bs, n)),
-        c.input("tree.next_sibling", getattr(tree, "next_sibling", None), np.int64, (bs, n)),
+        c.input("tree.first_child", tree.first_child, np.int64, (bs, n)),
+        c.input("tree.next_sibling", tree.next_sibling, np.int64, (bs, n)),
         None if num_nodes is None else c.input("tree.num_nodes", num_nodes, np.int32, (bs,)),
         c.input("target_argmax", target_argmax, np.int64, (bs, n)),
     ]

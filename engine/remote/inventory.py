@@ -14,7 +14,11 @@ ARCHITECTURE.md "Host inventory"; unknown fields are errors, never ignored. Ever
 
 from __future__ import annotations
 
+import functools
+import posixpath
 import re
+import shutil
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Mapping
@@ -26,7 +30,6 @@ from .errors import ConfigError, UsageError
 TRANSPORTS = ("local", "ssh")
 HOST_KEY_POLICIES = ("strict", "accept-new")
 TIMEOUT_DEFAULTS = {"connect": 15.0, "sync": 600.0, "build": 1800.0, "test": 1800.0, "bench": 3600.0}
-_ARCH_RE = re.compile(r"^(cpu|native|sm_\d{2,3}[a-z]?(,sm_\d{2,3}[a-z]?)*)$")
 # Any key that looks like a credential is refused wherever it appears (top level, env, gpus).
 _SECRET_RE = re.compile(r"pass(word|wd|phrase)?|secret|token|api[_-]?key|credential", re.I)
 # Absolute folders the tool must never own (it deletes inside remote_dir/src).
@@ -160,11 +163,21 @@ _REQUIRED = ("remote_dir", "cuda_arch")
 
 
 def parse_host(name: str, data: Any, *, source: Path | None) -> Host:
-    """Validate one host's YAML data (already parsed) into a ``Host``."""
+    """Validate one host's YAML data (already parsed) into a ``Host``. Every problem of the file
+    is found before one ``ConfigError`` names them all (file and field each)."""
     where = str(source) if source else f"<embedded {name}>"
+    problems: list[ConfigError] = []
 
     def bad(fieldname: str, what: str, hint: str | None = None) -> ConfigError:
         return ConfigError(f"{where}: {fieldname}: {what}", host=name, step="config", hint=hint)
+
+    def check(fn, *args, default=None):
+        """fn(*args), or default after recording the ConfigError it raised."""
+        try:
+            return fn(*args)
+        except ConfigError as e:
+            problems.append(e)
+            return default
 
     if data is None:
         raise bad("(file)", "empty host file", f"required fields: {', '.join(_REQUIRED)}")
@@ -172,16 +185,17 @@ def parse_host(name: str, data: Any, *, source: Path | None) -> Host:
         raise bad("(file)", f"expected a mapping of fields, got {type(data).__name__}")
     for key in data:
         if not isinstance(key, str):
-            raise bad(str(key), "field names must be strings")
-        if _SECRET_RE.search(key):
-            raise bad(key, "password or secret fields are not allowed in the inventory",
-                      "use identity_file or the ssh agent; never store secrets in hosts/")
-    unknown = sorted(set(data) - _FIELDS)
-    if unknown:
-        raise bad(unknown[0], "unknown field", f"known fields: {', '.join(sorted(_FIELDS))}")
-    missing = [k for k in _REQUIRED if k not in data]
-    if missing:
-        raise bad(missing[0], "missing required field")
+            problems.append(bad(str(key), "field names must be strings"))
+        elif _SECRET_RE.search(key):
+            problems.append(bad(key, "password or secret fields are not allowed in the inventory",
+                                "use identity_file or the ssh agent; never store secrets in hosts/"))
+    problems += [bad(k, "unknown field", f"known fields: {', '.join(sorted(_FIELDS))}")
+                 for k in sorted(k for k in data if isinstance(k, str) and k not in _FIELDS and not _SECRET_RE.search(k))]
+    problems += [bad(k, "missing required field") for k in _REQUIRED if k not in data]
+    for path, value in _strings(data):
+        if looks_like_secret(value):
+            problems.append(bad(path, "holds what looks like a key or token (value not shown)",
+                                "never store secrets in hosts/: use identity_file or the ssh agent"))
 
     def opt_str(key: str) -> str | None:
         value = data.get(key)
@@ -189,38 +203,133 @@ def parse_host(name: str, data: Any, *, source: Path | None) -> Host:
             return None
         if not isinstance(value, str) or not value.strip():
             raise bad(key, f"expected a non-empty string, got {value!r}")
+        if key in _NO_OPTION_LIKE and (value.startswith("-") or re.search(r"[\s\x00-\x1f\x7f]", value)):
+            raise bad(key, f"must not start with - or hold whitespace or control characters, got {value!r}",
+                      "a value ssh could read as an option is refused")
         return value
 
     transport = data.get("transport", "ssh")
     if transport not in TRANSPORTS:
-        raise bad("transport", f"expected one of {', '.join(TRANSPORTS)}, got {transport!r}")
+        problems.append(bad("transport", f"expected one of {', '.join(TRANSPORTS)}, got {transport!r}"))
     port = data.get("port", 22)
     if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
-        raise bad("port", f"expected an integer in 1..65535, got {port!r}")
+        problems.append(bad("port", f"expected an integer in 1..65535, got {port!r}"))
     policy = data.get("host_key_policy", "strict")
     if policy not in HOST_KEY_POLICIES:
-        raise bad("host_key_policy", f"expected one of {', '.join(HOST_KEY_POLICIES)}, got {policy!r}")
+        problems.append(bad("host_key_policy", f"expected one of {', '.join(HOST_KEY_POLICIES)}, got {policy!r}"))
     cuda_arch = data.get("cuda_arch")
-    if not isinstance(cuda_arch, str) or not _ARCH_RE.match(cuda_arch):
-        raise bad("cuda_arch", f"expected sm_XX[,sm_YY], native or cpu, got {cuda_arch!r}")
-    strings = {k: opt_str(k) for k in ("hostname", "user", "identity_file", "ssh_config_alias",
-                                       "known_hosts", "python")}
-    if transport == "ssh" and not (strings["hostname"] or strings["ssh_config_alias"]):
-        raise bad("hostname", "an ssh host needs hostname or ssh_config_alias")
+    if "cuda_arch" in data:
+        why = check_cuda_arch(cuda_arch)
+        if why:
+            problems.append(bad("cuda_arch", why))
+    strings = {k: check(opt_str, k) for k in ("hostname", "user", "identity_file", "ssh_config_alias",
+                                              "known_hosts", "python")}
+    if transport == "ssh" and not (strings["hostname"] or strings["ssh_config_alias"]) \
+            and not any(e.what.startswith(f"{where}: {k}:") for e in problems for k in ("hostname", "ssh_config_alias")):
+        problems.append(bad("hostname", "an ssh host needs hostname or ssh_config_alias"))
     if transport == "local":
-        for key in _SSH_ONLY:
-            if key in data:
-                raise bad(key, "only meaningful for transport: ssh")
+        problems += [bad(key, "only meaningful for transport: ssh") for key in _SSH_ONLY if key in data]
+    remote_dir = check(_check_remote_dir, data["remote_dir"], bad) if "remote_dir" in data else None
+    gpus = check(_parse_gpus, data.get("gpus"), bad, default=Gpus())
+    env = _parse_env(data.get("env"), bad, problems)
+    timeouts = _parse_timeouts(data.get("timeouts"), bad, problems)
+    if problems:
+        if len(problems) == 1:
+            raise problems[0]
+        raise ConfigError("; ".join(e.what for e in problems), host=name, step="config",
+                          hint=f"{len(problems)} problems in {where}")
     return Host(
-        name=name, source=source, transport=transport,
-        remote_dir=_check_remote_dir(data["remote_dir"], bad),
+        name=name, source=source, transport=transport, remote_dir=remote_dir,
         cuda_arch=cuda_arch, port=port, host_key_policy=policy,
         hostname=strings["hostname"], user=strings["user"],
         identity_file=strings["identity_file"], ssh_config_alias=strings["ssh_config_alias"],
         known_hosts=strings["known_hosts"], python=strings["python"] or "python3",
-        gpus=_parse_gpus(data.get("gpus"), bad), env=_parse_env(data.get("env"), bad),
-        timeouts=_parse_timeouts(data.get("timeouts"), bad),
+        gpus=gpus, env=env, timeouts=timeouts,
     )
+
+
+# --- values ----------------------------------------------------------------------------------
+
+# Fields ssh reads as a destination or login: a leading "-" would be an option to it.
+_NO_OPTION_LIKE = ("hostname", "user", "ssh_config_alias")
+# Values that look like keys or tokens, wherever they appear (env included).
+_KEYLIKE_RE = re.compile(
+    r"-----BEGIN [A-Z0-9 ]*(PRIVATE KEY|KEY)-----"
+    r"|\b(ssh-(rsa|dss|ed25519)|ecdsa-sha2-nistp\d+) AAAA"
+    r"|\b(gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}|glpat-[A-Za-z0-9_-]{20,}"
+    r"|xox[abposr]-[A-Za-z0-9-]{10,}|AKIA[0-9A-Z]{16}|sk-[A-Za-z0-9_-]{20,}|hf_[A-Za-z0-9]{30,})")
+_RUN_RE = re.compile(r"[A-Za-z0-9+/=_-]{32,}")
+
+
+def _entropy(s: str) -> float:
+    from collections import Counter
+    from math import log2
+    n = len(s)
+    return -sum(c / n * log2(c / n) for c in Counter(s).values())
+
+
+def looks_like_secret(value: str) -> bool:
+    """A PEM block, an ssh key, a known token prefix, or a long random-looking base64 run
+    (32+ characters, two of digits / upper / lower case, over 4.2 bits of entropy per
+    character: paths and words stay below that)."""
+    if _KEYLIKE_RE.search(value):
+        return True
+    for run in _RUN_RE.findall(value):
+        core = run.replace("/", "")
+        classes = sum((any(c.isdigit() for c in core), any(c.isupper() for c in core),
+                       any(c.islower() for c in core)))
+        if len(core) >= 32 and classes >= 2 and _entropy(core) > 4.2:
+            return True
+    return False
+
+
+def _strings(value: Any, path: str = ""):
+    """(field path, string) for every string value in the host data, nested ones included."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _strings(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _strings(v, f"{path}[{i}]")
+    elif isinstance(value, str):
+        yield path, value
+
+
+# Real GPU architectures nvcc has accepted (sm_50 .. sm_121, with the a/f variants of 12.x/13.x);
+# an installed nvcc's own --list-gpu-arch adds newer ones.
+KNOWN_ARCHES = ("sm_50", "sm_52", "sm_53", "sm_60", "sm_61", "sm_62", "sm_70", "sm_72", "sm_75",
+                "sm_80", "sm_86", "sm_87", "sm_88", "sm_89", "sm_90", "sm_90a",
+                "sm_100", "sm_100a", "sm_100f", "sm_101", "sm_101a", "sm_101f", "sm_103", "sm_103a",
+                "sm_103f", "sm_110", "sm_110a", "sm_110f", "sm_120", "sm_120a", "sm_120f",
+                "sm_121", "sm_121a", "sm_121f")
+
+
+@functools.lru_cache(maxsize=1)
+def known_arches() -> tuple[str, ...]:
+    arches = set(KNOWN_ARCHES)
+    if shutil.which("nvcc"):
+        try:
+            out = subprocess.run(["nvcc", "--list-gpu-arch"], capture_output=True, text=True, timeout=10).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            out = ""
+        arches |= {"sm_" + a.split("_", 1)[1] for a in out.split() if a.startswith("compute_")}
+    return tuple(sorted(arches, key=lambda a: (int(re.sub(r"\D", "", a)), a)))
+
+
+def check_cuda_arch(value: Any) -> str | None:
+    """Why `value` is not a cuda_arch (None: it is): cpu, native, or a comma list of known sm_XX."""
+    accepted = f"cpu, native, or a comma list of {', '.join(known_arches())}"
+    if not isinstance(value, str) or not value:
+        return f"expected a string, got {value!r} (accepted: {accepted})"
+    if value in ("cpu", "native"):
+        return None
+    parts = value.split(",")
+    unknown = [p for p in parts if p not in known_arches()]
+    if unknown:
+        return f"{unknown[0]!r} is not an architecture nvcc knows (accepted: {accepted})"
+    if len(set(parts)) != len(parts):
+        return f"{value!r} names an architecture twice"
+    return None
 
 
 def _check_remote_dir(value: Any, bad) -> str:
@@ -228,12 +337,20 @@ def _check_remote_dir(value: Any, bad) -> str:
         raise bad("remote_dir", f"expected a non-empty string, got {value!r}")
     if not (value.startswith("/") or value.startswith("~/")):
         raise bad("remote_dir", f"must be absolute or start with ~/, got {value!r}")
+    # Normalised first: //etc, /./etc, /usr/../etc and /etc/ are all /etc.
+    resolved = "/" + posixpath.normpath(value).lstrip("/") if value.startswith("/") else posixpath.normpath(value)
+    if resolved in _SYSTEM_DIRS or resolved == "~":
+        raise bad("remote_dir", f"{value!r} is the system or home folder {resolved} itself",
+                  "use a folder the tool owns, e.g. ~/kdtree-engine")
+    rparts = PurePosixPath(resolved).parts
+    if len(rparts) == 3 and rparts[1] in ("home", "Users"):
+        raise bad("remote_dir", f"{value!r} is the home folder {resolved} itself", "use a folder inside it")
     parts = PurePosixPath(value).parts
     if ".." in parts or "." in value.split("/"):
         raise bad("remote_dir", f"must not contain . or .. components, got {value!r}")
     if any(c in value for c in "\n\0$`\"'\\*?[]{};&|<>"):
         raise bad("remote_dir", f"contains a shell-special character: {value!r}")
-    norm = str(PurePosixPath(value))
+    norm = "/" + str(PurePosixPath(value)).lstrip("/") if value.startswith("/") else str(PurePosixPath(value))
     if norm in ("~",) or norm in _SYSTEM_DIRS:
         raise bad("remote_dir", f"{value!r} is a system or home folder itself",
                   "use a folder the tool owns, e.g. ~/kdtree-engine")
@@ -260,34 +377,38 @@ def _parse_gpus(value: Any, bad) -> Gpus:
     return Gpus(count=count, model=model)
 
 
-def _parse_env(value: Any, bad) -> dict[str, str]:
+def _parse_env(value: Any, bad, problems: list) -> dict[str, str]:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise bad("env", f"expected a mapping of NAME: value, got {value!r}")
+        problems.append(bad("env", f"expected a mapping of NAME: value, got {value!r}"))
+        return {}
     env = {}
     for key, val in value.items():
         if not isinstance(key, str) or not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", key):
-            raise bad(f"env.{key}", "not a valid environment variable name")
-        if _SECRET_RE.search(key):
-            raise bad(f"env.{key}", "secrets are not allowed in env",
-                      "env is recorded in manifests and logs; never put secrets there")
-        if isinstance(val, bool) or not isinstance(val, (str, int, float)):
-            raise bad(f"env.{key}", f"expected a string or number, got {val!r}")
-        env[key] = str(val)
+            problems.append(bad(f"env.{key}", "not a valid environment variable name"))
+        elif _SECRET_RE.search(key):
+            problems.append(bad(f"env.{key}", "secrets are not allowed in env",
+                                "env is recorded in manifests and logs; never put secrets there"))
+        elif isinstance(val, bool) or not isinstance(val, (str, int, float)):
+            problems.append(bad(f"env.{key}", f"expected a string or number, got {val!r}"))
+        else:
+            env[key] = str(val)
     return env
 
 
-def _parse_timeouts(value: Any, bad) -> Timeouts:
+def _parse_timeouts(value: Any, bad, problems: list) -> Timeouts:
     if value is None:
         return Timeouts()
     if not isinstance(value, dict):
-        raise bad("timeouts", f"expected a mapping of step: seconds, got {value!r}")
+        problems.append(bad("timeouts", f"expected a mapping of step: seconds, got {value!r}"))
+        return Timeouts()
     out = {}
     for key, val in value.items():
         if key not in TIMEOUT_DEFAULTS:
-            raise bad(f"timeouts.{key}", "unknown step", f"known: {', '.join(TIMEOUT_DEFAULTS)}")
-        if isinstance(val, bool) or not isinstance(val, (int, float)) or not val > 0:
-            raise bad(f"timeouts.{key}", f"expected a positive number of seconds, got {val!r}")
-        out[key] = float(val)
+            problems.append(bad(f"timeouts.{key}", "unknown step", f"known: {', '.join(TIMEOUT_DEFAULTS)}"))
+        elif isinstance(val, bool) or not isinstance(val, (int, float)) or not val > 0 or val != val or val == float("inf"):
+            problems.append(bad(f"timeouts.{key}", f"expected a positive number of seconds, got {val!r}"))
+        else:
+            out[key] = float(val)
     return Timeouts(**out)

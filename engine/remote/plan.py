@@ -45,6 +45,7 @@ class Options:
     run: str | None = None        # fetch-results: None (new ones) | latest | all | a run id
     no_commit: bool = False
     allow_dirty: bool = False
+    max_run_bytes: int = 512 * 1024 * 1024  # fetch-results: cap on one run's files (trust.py)
     lock_wait_s: float = 600.0
     url: str | None = None        # bench: the service suite measures this server (python -m bench --url)
 

@@ -2,20 +2,30 @@
 
     fetch_results(host, repo_root, opts, progress) -> Outcome
 
-1. List `<remote_dir>/runs/`; a run is complete when its manifest.json exists (the runner
-   writes it last, atomically). Which runs: opts.run None = complete runs not yet in results/;
+1. List `<remote_dir>/runs/` on the host (lstat, links not followed); a run is complete when
+   its manifest.json is a regular file (the runner writes it last, atomically). Every name must
+   be a run id of this tool (trust.check_run_id) before anything of it is read; one that is
+   not is refused alone. Which runs: opts.run None = complete runs not yet in results/;
    "latest" = the newest complete run; "all" = every complete run (ones already here are
    re-checked against the host's manifest); else one run id. Incomplete runs are reported as
    still running, never fetched.
-2. Refuse (exit 5) before downloading when a run was made from a dirty engine tree, or the
-   local tree is dirty, unless opts.allow_dirty (then recorded in the commit message).
-3. Download the files the manifest lists into `results/<host>/.incoming-<run-id>-<pid>/`,
-   check every size and sha256, then rename into `results/<host>/<run-id>/`. A file that does
-   not verify refuses that run (exit 3) and leaves nothing behind.
-4. Regenerate the report (engine.remote.report.write_report, imported lazily) and make one
+2. Per run, before any file is read: the run folder is listed by lstat on the host, the
+   manifest (capped at 16 MiB, JSON nesting capped) must be well formed (trust.check_manifest),
+   and every listed file must be a regular file of its listed size under real folders, the
+   total within opts.max_run_bytes. A run that is not is refused alone (the others are still
+   fetched); its refusal is one line naming the run and the reason.
+3. Refuse (exit 5) before downloading when a run was made from a dirty engine tree (its id
+   says -dirty or its manifest does), or the local tree is dirty, unless opts.allow_dirty
+   (then recorded in the commit message); this holds for runs left uncommitted here too.
+4. Stream the listed files into `results/<host>/.incoming-<run-id>-<pid>/`, each capped at its
+   listed size, a transfer silent for trust.IDLE_TIMEOUT_S given up; re-verify the folder from
+   scratch (trust.verify_run_folder), then rename into `results/<host>/<run-id>/`. A run that
+   does not verify is refused (exit 3) and leaves nothing behind.
+5. Regenerate the report (engine.remote.report.write_report, imported lazily) and make one
    commit holding exactly the new run folders, earlier fetched-but-uncommitted ones (an
-   interrupted fetch) and the report files: `git add -- P` then `git commit --only -- P`, so
-   nothing else staged or changed is ever committed.
+   interrupted fetch or a failed commit; each re-verified first, removed when it does not
+   verify) and the report files: `git add -- P` then `git commit --only -- P`, so nothing else
+   staged or changed is ever committed.
 """
 
 from __future__ import annotations
@@ -23,16 +33,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shlex
 import shutil
 import subprocess
+import tempfile
 import threading
 from pathlib import Path, PurePosixPath
 
-from . import provenance
-from .errors import KdtError, TransferError, UsageError
+from . import provenance, trust
+from .errors import TransferError, UsageError
 from .inventory import Host
-from .hostfiles import layout_for, read_remote_json
+from .hostfiles import layout_for
 from .outcome import Outcome
 from .plan import Options
 from .progress import Progress
@@ -51,26 +61,26 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def safe_relpath(rel: str) -> bool:
-    """A manifest path that stays inside its run folder."""
-    p = PurePosixPath(rel)
-    return bool(rel) and not p.is_absolute() and ".." not in p.parts and "\\" not in rel
+def safe_relpath(rel) -> bool:
+    """A manifest path that stays inside its run folder and that git gives no meaning to."""
+    return trust.check_relpath(rel) is None
 
 
 def verify_folder(folder: Path, manifest: dict) -> list[str]:
-    """Problems found checking every listed file's size and sha256 (empty: verified)."""
+    """Problems found checking every listed file's size and sha256 (empty: verified). Links are
+    never followed: a listed path that is a link is a problem."""
     problems = []
-    files = manifest.get("files")
+    files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, list):
         return [f"{MANIFEST} has no file list"]
     for entry in files:
-        rel = entry.get("path", "")
+        rel = entry.get("path", "") if isinstance(entry, dict) else None
         if not safe_relpath(rel):
-            problems.append(f"{rel!r}: path leaves the run folder")
+            problems.append(f"{trust.printable(rel)!r}: path leaves the run folder or is not allowed")
             continue
         p = folder / rel
-        if not p.is_file():
-            problems.append(f"{rel}: missing")
+        if p.is_symlink() or not p.is_file():
+            problems.append(f"{rel}: missing" if not p.is_symlink() else f"{rel}: a link, not a file")
         elif p.stat().st_size != entry.get("size"):
             problems.append(f"{rel}: size {p.stat().st_size}, manifest says {entry.get('size')}")
         elif sha256_file(p) != entry.get("sha256"):
@@ -79,15 +89,9 @@ def verify_folder(folder: Path, manifest: dict) -> list[str]:
 
 
 def list_remote_runs(t: Transport, runs_dir: str) -> list[tuple[str, bool]]:
-    """(run id, complete) for every run folder on the host, oldest first."""
-    q = shlex.quote(runs_dir)
-    r = t.run(f"[ -d {q} ] || exit 0\ncd {q} && for d in */; do [ -d \"$d\" ] || continue; d=${{d%/}}; "
-              f"if [ -f \"$d/{MANIFEST}\" ]; then echo \"complete $d\"; else echo \"running $d\"; fi; done",
-              timeout=t.host.timeouts.connect)
-    if not r.ok:
-        raise TransferError(f"listing {runs_dir}: {r.tail()}", host=t.host.name, step="fetch")
-    runs = [(line.split(" ", 1)[1], line.startswith("complete")) for line in r.stdout.splitlines() if " " in line]
-    return sorted(runs)
+    """(run id, complete) for every run folder on the host, oldest first; names are the host's
+    and unchecked (fetch_results checks each with trust.check_run_id before reading anything)."""
+    return sorted(trust.remote_runs(t, runs_dir, timeout=t.host.timeouts.connect))
 
 
 def select_runs(remote: list[tuple[str, bool]], local: set[str], which: str | None) -> tuple[list[str], list[str]]:
@@ -117,12 +121,32 @@ def _git(repo_root: Path, *args: str, check: bool = True) -> str:
 
 
 def uncommitted_runs(repo_root: Path, host_dir: Path) -> list[str]:
-    """Run folders under results/<host>/ that git does not track yet (an interrupted fetch)."""
+    """Folders under results/<host>/ that HEAD lacks: untracked (a fetch interrupted before its
+    commit) or staged (a commit that failed, e.g. no git identity). Every one is re-verified
+    before it is committed."""
     if not host_dir.is_dir():
         return []
-    out = _git(repo_root, "ls-files", "--others", "--exclude-standard", "--", str(host_dir.relative_to(repo_root)))
-    names = {Path(p).relative_to(host_dir.relative_to(repo_root)).parts[0] for p in out.splitlines() if p}
-    return sorted(n for n in names if not n.startswith(".") and (host_dir / n / MANIFEST).is_file())
+    rel = str(host_dir.relative_to(repo_root))
+    out = _git(repo_root, "ls-files", "--others", "--exclude-standard", "--", rel)
+    out += _git(repo_root, "diff", "--cached", "--name-only", "--diff-filter=A", "--", rel, check=False)
+    names = set()
+    for p in out.splitlines():
+        parts = PurePosixPath(p.strip('"')).parts
+        if len(parts) > len(PurePosixPath(rel).parts):
+            names.add(parts[len(PurePosixPath(rel).parts)])
+    # Only folders named like runs are ours to commit (or, when they do not verify, to remove);
+    # anything else a person put under results/<host>/ is left alone.
+    return sorted(n for n in names if trust.check_run_id(n) is None and (host_dir / n).is_dir())
+
+
+def _discard(repo_root: Path, folder: Path) -> None:
+    """Remove a refused run folder here: from the index (a failed commit staged it) and the disk."""
+    _git(repo_root, "rm", "-r", "-q", "--cached", "--ignore-unmatch", "--", str(folder.relative_to(repo_root)),
+         check=False)
+    if folder.is_symlink():
+        folder.unlink()
+    else:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def commit_paths(repo_root: Path, paths: list[str], message: str) -> str:
@@ -156,87 +180,155 @@ def write_report(repo_root: Path, host: str, log) -> list[str]:
     return paths
 
 
-def _download(t: Transport, remote_run: str, dest: Path, manifest: dict) -> list[str]:
-    for entry in manifest.get("files", []):
-        rel = entry.get("path", "")
-        if not safe_relpath(rel):
-            return [f"{rel!r}: path leaves the run folder"]
+def _read_manifest(t: Transport, run_dir: str, rid: str, opts: Options, scratch: Path) -> tuple[dict, list, bytes]:
+    """The host's manifest of one run, checked before any of its files is read: (manifest,
+    file entries, its bytes). The run folder is listed by lstat on the host first: manifest.json
+    and every listed file must be regular files under real folders, of the listed sizes."""
+    idle = max(trust.IDLE_TIMEOUT_S, t.host.timeouts.connect)
+    tree = trust.remote_tree(t, run_dir, timeout=idle)
+    trust.check_tree(tree, [])  # manifest.json itself, before it is read
+    if tree[MANIFEST][1] > trust.MANIFEST_MAX_BYTES:
+        raise trust.Refused(f"{MANIFEST} is {tree[MANIFEST][1]} bytes, over {trust.MANIFEST_MAX_BYTES}")
+    raw = trust.read_small(t, f"{run_dir}/{MANIFEST}", trust.MANIFEST_MAX_BYTES, idle, scratch)
+    manifest = trust.parse_json(raw, MANIFEST)
+    entries = trust.check_manifest(manifest, rid, opts.max_run_bytes)
+    trust.check_tree(tree, entries)
+    return manifest, entries, raw
+
+
+def _download(t: Transport, remote_run: str, dest: Path, entries: list[dict], raw_manifest: bytes,
+              rid: str, opts: Options) -> dict:
+    """Stream every listed file into dest (capped at its listed size), then re-verify dest."""
+    idle = max(trust.IDLE_TIMEOUT_S, t.host.timeouts.connect)
+    dest.mkdir(parents=True)
+    for e in entries:
+        rel = e["path"]
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-        t.get(f"{remote_run}/{rel}", dest / rel)
-    t.get(f"{remote_run}/{MANIFEST}", dest / MANIFEST)
-    got = json.loads((dest / MANIFEST).read_text())
-    if got != manifest:
-        return [f"{MANIFEST} changed while it was fetched"]
-    return verify_folder(dest, manifest)
+        size, sha = trust.stream_file(t, f"{remote_run}/{rel}", dest / rel, e["size"], idle, what=trust.printable(rel))
+        if size != e["size"]:
+            raise trust.Refused(f"{trust.printable(rel)}: size {size}, manifest says {e['size']}")
+        if sha != e["sha256"]:
+            raise trust.Refused(f"{trust.printable(rel)}: sha256 {sha[:16]}..., manifest says {e['sha256'][:16]}...")
+    (dest / MANIFEST).write_bytes(raw_manifest)
+    return trust.verify_run_folder(dest, rid, opts.max_run_bytes)
 
 
 def _clean_incoming(host_dir: Path) -> None:
-    """Remove temp folders left by fetches that were interrupted (their pid is gone)."""
+    """Remove temp folders left by fetches that were interrupted (their pid is gone): they are
+    never committed; what they held is fetched again and verified from scratch."""
     for p in host_dir.glob(".incoming-*"):
         pid = p.name.rsplit("-", 1)[-1]
         alive = pid.isdigit() and Path(f"/proc/{pid}").exists() and int(pid) != os.getpid()
         if not alive:
-            shutil.rmtree(p, ignore_errors=True)
+            if p.is_symlink() or not p.is_dir():
+                p.unlink()
+            else:
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def _check_which(which: str | None) -> None:
+    if which in (None, "latest", "all"):
+        return
+    why = trust.check_run_id(which)
+    if why:
+        raise UsageError(f"--run {trust.printable(which)!r}: {why}", step="fetch",
+                         hint="give a run id, latest or all")
+
+
+def _refuse_dirty(host: Host, repo_root: Path, dirty_runs: list[str], git_local: dict) -> None:
+    what = (f"runs {', '.join(dirty_runs)} were made from a dirty engine tree" if dirty_runs
+            else f"the engine tree at {repo_root} has uncommitted changes")
+    raise UsageError(f"refusing to commit results: {what}", host=host.name, step="fetch",
+                     hint="commit your changes first, or pass --allow-dirty (recorded in the commit)")
 
 
 def fetch_results(host: Host, repo_root: Path, opts: Options, progress: Progress) -> Outcome:
     log = progress.logger(host.name)
     repo_root = repo_root.resolve()
     host_dir = repo_root / "results" / host.name
-    local = {p.name for p in host_dir.iterdir() if p.is_dir() and not p.name.startswith(".")} if host_dir.is_dir() else set()
-    with open_transport(host, accept_new_host_key=opts.accept_new_host_key) as t:
+    _check_which(opts.run)
+    local = ({p.name for p in host_dir.iterdir() if p.is_dir() and not p.is_symlink() and not p.name.startswith(".")}
+             if host_dir.is_dir() else set())
+    refused: list[tuple[str, str]] = []
+    fetched, unchanged = [], []
+    with open_transport(host, accept_new_host_key=opts.accept_new_host_key) as t, \
+            tempfile.TemporaryDirectory(prefix="kdtree-fetch-") as scratch_dir:
+        scratch = Path(scratch_dir) / "manifest.json"
         lay = layout_for(host, t)
-        remote = list_remote_runs(t, lay.runs)
+        remote = []
+        for name, done in list_remote_runs(t, lay.runs):
+            why = trust.check_run_id(name)
+            if why:
+                refused.append((trust.printable(name), why))
+            else:
+                remote.append((name, done))
         wanted, running = select_runs(remote, local, opts.run)
         for rid in running:
             log(f"{rid}: still running (no final manifest yet); fetch it again once it is complete")
-        manifests = {}
+        manifests: dict[str, tuple[dict, list, bytes]] = {}
         for rid in wanted:
-            manifests[rid] = read_remote_json(t, f"{lay.run(rid)}/{MANIFEST}")
+            try:
+                manifests[rid] = _read_manifest(t, lay.run(rid), rid, opts, scratch)
+            except trust.Refused as e:
+                refused.append((rid, e.reason))
+        wanted = [rid for rid in wanted if rid in manifests]
         if opts.dry_run:
             for rid in wanted:
-                log(f"plan: fetch {lay.run(rid)} ({len(manifests[rid].get('files', []))} files) -> "
+                log(f"plan: fetch {lay.run(rid)} ({len(manifests[rid][1])} files) -> "
                     f"results/{host.name}/{rid}/" + (" (already here: re-check)" if rid in local else ""))
+            for rid, why in refused:
+                log(f"plan: refuse {rid}: {why}")
             log("plan: then regenerate docs/BENCHMARKS_" + host.name + ".md and commit" if not opts.no_commit else "plan: no commit")
             return Outcome(host.name, "fetch-results", f"dry run: {len(wanted)} runs to fetch", run_ids=wanted)
         git_local = provenance.git_info(repo_root)
-        dirty_runs = [rid for rid in wanted if rid not in local and (manifests[rid].get("git") or {}).get("dirty")]
+        leftover = uncommitted_runs(repo_root, host_dir) if not opts.no_commit else []
+        dirty_runs = [rid for rid in wanted if rid not in local and trust.is_dirty_run(rid, manifests[rid][0])]
+        dirty_runs += [rid for rid in leftover if rid not in dirty_runs and trust.is_dirty_run(rid, _local_manifest(host_dir / rid))]
         if not opts.no_commit and not opts.allow_dirty and (dirty_runs or git_local.get("dirty")):
-            what = (f"runs {', '.join(dirty_runs)} were made from a dirty engine tree" if dirty_runs
-                    else f"the engine tree at {repo_root} has uncommitted changes")
-            raise UsageError(f"refusing to commit results: {what}", host=host.name, step="fetch",
-                             hint="commit your changes first, or pass --allow-dirty (recorded in the commit)")
+            _refuse_dirty(host, repo_root, dirty_runs, git_local)
         host_dir.mkdir(parents=True, exist_ok=True)
         _clean_incoming(host_dir)
-        fetched, refused, unchanged = [], [], []
         for rid in wanted:
-            m = manifests[rid]
+            m, entries, raw = manifests[rid]
             if rid in local:
-                here = json.loads((host_dir / rid / MANIFEST).read_text()) if (host_dir / rid / MANIFEST).is_file() else None
-                if here == m and not verify_folder(host_dir / rid, m):
+                try:
+                    here = trust.verify_run_folder(host_dir / rid, rid, opts.max_run_bytes)
+                except trust.Refused as e:
+                    here = None
+                    why = e.reason
+                if here == m:
                     unchanged.append(rid)
                 else:
-                    refused.append((rid, f"results/{host.name}/{rid} exists and differs from the host's run"))
+                    refused.append((rid, f"results/{host.name}/{rid} exists and differs from the host's run"
+                                    + (f" ({why})" if here is None else "")))
                 continue
             progress.status(host.name, f"fetch {rid}")
             tmp = host_dir / f".incoming-{rid}-{os.getpid()}"
             shutil.rmtree(tmp, ignore_errors=True)
             try:
-                problems = _download(t, lay.run(rid), tmp, m)
-            except KdtError:
+                _download(t, lay.run(rid), tmp, entries, raw, rid, opts)
+            except trust.Refused as e:
+                shutil.rmtree(tmp, ignore_errors=True)
+                refused.append((rid, e.reason))
+                continue
+            except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
-            if problems:
-                shutil.rmtree(tmp, ignore_errors=True)
-                refused.append((rid, "; ".join(problems[:3]) + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else "")))
-                continue
             os.rename(tmp, host_dir / rid)  # atomic: a run folder appears complete or not at all
             fetched.append(rid)
-            log(f"{rid}: fetched and verified ({len(m.get('files', []))} files): {m.get('summary')}")
+            log(f"{rid}: fetched and verified ({len(entries)} files): {trust.printable(m.get('summary'))}")
+    # Runs here but not committed (an interrupted fetch, a failed commit): re-verified from scratch.
+    for rid in [r for r in leftover if r not in fetched]:
+        try:
+            trust.verify_run_folder(host_dir / rid, rid, opts.max_run_bytes)
+        except (trust.Refused, OSError) as e:
+            _discard(repo_root, host_dir / rid)
+            leftover.remove(rid)
+            refused.append((trust.printable(rid), f"left here uncommitted and does not verify: "
+                            f"{getattr(e, 'reason', e)}; removed"))
     for rid, why in refused:
         log(f"{rid}: REFUSED: {why}")
-    leftover = [r for r in uncommitted_runs(repo_root, host_dir) if r not in fetched]
-    to_commit = fetched + leftover
+    to_commit = fetched + [r for r in leftover if r not in fetched]
     commit = None
     if to_commit and not opts.no_commit:
         report_paths = write_report(repo_root, host.name, log)
@@ -247,25 +339,35 @@ def fetch_results(host: Host, repo_root: Path, opts: Options, progress: Progress
                f"{len(running)} still running" + (f"; commit {commit[:10]}" if commit else ""))
     err = None
     if refused:
-        err = TransferError(f"{len(refused)} runs did not verify: " + "; ".join(f"{r}: {w}" for r, w in refused),
-                            host=host.name, step="fetch", hint="nothing of those runs was kept; rerun the run if the host copy is damaged")
+        err = TransferError(f"{len(refused)} runs refused: " + "; ".join(f"{r}: {w}" for r, w in refused),
+                            host=host.name, step="fetch",
+                            hint="nothing of those runs was kept; the other runs were fetched")
     return Outcome(host.name, "fetch-results", summary, err, to_commit,
                    {"refused": dict(refused), "running": running, "commit": commit})
 
 
+def _local_manifest(folder: Path) -> dict | None:
+    try:
+        m = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError, RecursionError):
+        return None
+    return m if isinstance(m, dict) else None
+
+
 def commit_message(host: Host, repo_root: Path, run_ids: list[str], opts: Options, git_local: dict) -> str:
     host_dir = repo_root / "results" / host.name
-    manifests = {r: json.loads((host_dir / r / MANIFEST).read_text()) for r in run_ids}
-    shas = sorted({(m.get("git") or {}).get("sha") or "unknown" for m in manifests.values()})
-    dirty = [r for r, m in manifests.items() if (m.get("git") or {}).get("dirty")]
+    manifests = {r: _local_manifest(host_dir / r) or {} for r in run_ids}
+    gits = {r: (m.get("git") if isinstance(m.get("git"), dict) else {}) for r, m in manifests.items()}
+    shas = sorted({trust.printable(g.get("sha") or "unknown", 40) for g in gits.values()})
+    dirty = [r for r in run_ids if trust.is_dirty_run(r, manifests[r])]
     lines = [f"results: {host.name}: {', '.join(run_ids)} (engine {', '.join(s[:10] for s in shas)})", ""]
-    lines += [f"{r}: {m.get('summary')}" for r, m in manifests.items()]
+    lines += [f"{r}: {trust.printable(m.get('summary'))}" for r, m in manifests.items()]
     lines += ["", f"Host: {host.name} ({host.address})"]
     lines += [f"Engine-Commit: {s}" for s in shas]
     lines += [f"Run-Id: {r}" for r in run_ids]
     if opts.allow_dirty and (dirty or git_local.get("dirty")):
         for r in dirty:
-            lines.append(f"Allow-Dirty: {r} ran a dirty tree (diff sha256 {manifests[r]['git'].get('diff_sha256')})")
+            lines.append(f"Allow-Dirty: {r} ran a dirty tree (diff sha256 {trust.printable(gits[r].get('diff_sha256'), 64)})")
         if git_local.get("dirty"):
             lines.append(f"Allow-Dirty: committed from a dirty tree (diff sha256 {git_local.get('diff_sha256')})")
     return "\n".join(lines) + "\n"

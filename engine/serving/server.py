@@ -15,8 +15,11 @@ Endpoints (docs/SERVING.md):
   GET  /health          200 with the batcher's counters while the worker runs, else 503
   POST /debug/pause     only with --debug-hooks (tests): hold the decode steps (Batcher.pause:
   POST /debug/resume    admissions and cancellations go on, nothing finishes) / release them
-Errors are JSON `{"error": {"message", "type", "param", "code"}}`: 400 bad request, 404 unknown
-model or path, 429 every slot busy and the queue full, 503 shutting down or the worker died.
+Errors are JSON `{"error": {"message", "type", "param", "code"}}`: 400 bad request (bodies that
+are not UTF-8 JSON, nested deeper than MAX_JSON_DEPTH, or hold integers of more than
+MAX_INT_DIGITS digits, NaN or infinities are 400s too), 404 unknown model or path, 413 a body
+over MAX_BODY_BYTES, 429 every slot busy and the queue full, 503 shutting down or the worker
+died. Client errors and client disconnects are never logged with a traceback.
 Requests are batched continuously (engine/serving/batcher.py); a client that disconnects frees its slot.
 """
 
@@ -37,6 +40,9 @@ from engine.serving.batcher import Batcher, Overloaded, Unavailable
 from engine.serving.tokenizer import ByteTokenizer
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_BODY_BYTES = 4 << 20  # a completion request is a prompt: 4 MiB is ~a million token ids
+MAX_JSON_DEPTH = 16       # the deepest valid body is 3 levels (prompt: [[ids]])
+MAX_INT_DIGITS = 19       # integers within int64; a 5,000-digit max_tokens is a 400, not a 500
 OWNER = "kdtree-engine"
 
 # Fields that must hold their greedy value (or be absent / null): name -> allowed values.
@@ -65,6 +71,62 @@ def error_response(status: int, message: str, param=None, code=None, headers=Non
     return web.json_response({"error": {"message": message, "type": kind, "param": param,
                                         "code": code or str(status)}},
                              status=status, headers=headers)
+
+
+def _json_depth(text: str) -> int:
+    """The deepest nesting of [ and { in JSON text (strings skipped), without recursion."""
+    depth = deepest = 0
+    in_str = esc = False
+    for ch in text:
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "[{":
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+def _bounded_int(s: str) -> int:
+    if len(s.lstrip("-")) > MAX_INT_DIGITS:
+        raise BadRequest(f"a number of {len(s.lstrip('-'))} digits is out of range "
+                         f"(at most {MAX_INT_DIGITS})")
+    return int(s)
+
+
+def _finite_float(s: str) -> float:
+    x = float(s)
+    if x != x or x in (float("inf"), float("-inf")):
+        raise BadRequest(f"the number {s[:40]} is out of range")
+    return x
+
+
+def _no_constant(s: str):
+    raise BadRequest(f"{s} is not valid JSON")
+
+
+def parse_json_body(raw: bytes):
+    """The request body as JSON within bounds; BadRequest (400) for anything else."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadRequest(f"the request body is not UTF-8: {e.reason} at byte {e.start}") from None
+    if _json_depth(text) > MAX_JSON_DEPTH:
+        raise BadRequest(f"the request body is nested deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        return json.loads(text, parse_int=_bounded_int, parse_float=_finite_float,
+                          parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:
+        raise BadRequest(f"the request body is not valid JSON: {e}") from None
 
 
 def _is_int(x) -> bool:
@@ -152,7 +214,7 @@ class Server:
         self.created = int(time.time())
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._json_errors])
+        app = web.Application(middlewares=[self._json_errors], client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
@@ -202,12 +264,9 @@ class Server:
             "max_model_len": self.batcher.engine.max_seq}]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()  # over MAX_BODY_BYTES: 413 through _json_errors
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return error_response(400, f"the request body is not valid JSON: {e}")
-        try:
-            req = parse_completion(body, self.vocab_size, self.tokenizer, self.model_name)
+            req = parse_completion(parse_json_body(raw), self.vocab_size, self.tokenizer, self.model_name)
             job = self.batcher.submit(req["prompt"], req["max_tokens"], asyncio.get_running_loop())
         except BadRequest as e:
             return error_response(e.status, str(e), e.param, e.code)
@@ -224,6 +283,8 @@ class Server:
             if req["stream"]:
                 return await self._stream(request, job, head, req)
             return await self._whole(job, head, req)
+        except ConnectionResetError:  # the client went away mid-stream: not an error of ours
+            return web.Response(status=499)
         finally:
             self.batcher.cancel(job)  # frees the slot if the client went away; else a no-op
 
