@@ -244,3 +244,68 @@ def test_a_round_synchronises_once(weights, cuda_ready, graphs, monkeypatch):
         torch.cuda.set_sync_debug_mode(0)
     assert lib.sync_count() == before, "libkdtree synchronised inside a round"
     assert len(explicit) == rounds, f"{len(explicit)} explicit synchronisations in {rounds} rounds: {explicit}"
+
+
+def _finish_reference(rows, prefix, tokens, num_nodes, index, length, bonus, hidden, ctx, root,
+                      scratch, max_seq):
+    """numpy kdt_round_finish (kdtree.h): the drafters' context, the next roots, the result."""
+    B, n = tokens.shape
+    res = np.zeros((B, n + 2), np.int32)
+    for b in range(B):
+        a = min(max(int(length[b]), 0), n)
+        res[b, 0], res[b, 1] = a, 1 if num_nodes is None else num_nodes[b]
+        for k in range(1, a):
+            res[b, 1 + k] = tokens[b, index[b, k]]
+        res[b, 1 + a] = bonus[b]
+        if 0 <= rows[b] < scratch:
+            root[rows[b]] = bonus[b]
+            for k in range(a):
+                if prefix[b] + k < max_seq:
+                    ctx[rows[b] * max_seq + prefix[b] + k] = hidden[b, index[b, k]]
+    return res
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_round_finish_equals_numpy_reference(device):
+    import torch
+
+    native()
+    from engine.native.round import finish
+
+    seed = secrets.randbelow(2**31)
+    rng = np.random.default_rng(seed)
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    S, max_seq, D, B, n = 5, 30, 12, 6, 9
+
+    class E:  # the engine fields finish() reads
+        pass
+
+    e = E()
+    e.device, e.hidden_size, e.max_seq, e.scratch_slot = device, D, max_seq, S
+    ctx0 = rng.standard_normal(((S + 1) * max_seq, D)).astype(np.float32)
+    root0 = rng.integers(0, 100, S + 1)
+    e.hidden_ctx = torch.from_numpy(ctx0.copy()).to(dev)
+    e.next_root = torch.from_numpy(root0.copy()).to(dev)
+    rows = rng.permutation(S + 1)[:B].astype(np.int64)          # distinct slots, one padding
+    prefix = rng.integers(0, max_seq, B).astype(np.int64)       # some past max_seq - n
+    tokens = rng.integers(0, 500, (B, n)).astype(np.int64)
+    length = rng.integers(0, n + 1, B).astype(np.int32)
+    index = np.full((B, n), -1, np.int32)
+    for b in range(B):
+        index[b, :length[b]] = np.sort(rng.choice(n, length[b], replace=False))
+    num_nodes = rng.integers(1, n + 1, B).astype(np.int32)
+    bonus = rng.integers(0, 500, B).astype(np.int64)
+    hidden = rng.standard_normal((B, n, D)).astype(np.float32)
+    for nn in (num_nodes, None):
+        e.hidden_ctx.copy_(torch.from_numpy(ctx0))
+        e.next_root.copy_(torch.from_numpy(root0))
+        t = lambda a: torch.from_numpy(a).to(dev)  # noqa: E731
+        got = finish(e, t(rows), t(prefix), t(tokens), None if nn is None else t(nn), t(index),
+                     t(length), t(bonus), t(hidden))
+        ctx, root = ctx0.copy(), root0.copy()
+        want = _finish_reference(rows, prefix, tokens, nn, index, length, bonus, hidden, ctx, root,
+                                 S, max_seq)
+        ctx_msg = f"seed {seed}, {device}, num_nodes {'given' if nn is not None else 'NULL'}"
+        assert np.array_equal(got.cpu().numpy(), want), ctx_msg
+        assert np.array_equal(e.hidden_ctx.cpu().numpy(), ctx), ctx_msg
+        assert np.array_equal(e.next_root.cpu().numpy(), root), ctx_msg

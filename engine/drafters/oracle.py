@@ -127,10 +127,21 @@ class OracleDrafter:
         self.table[slot] = torch.from_numpy(row).to(engine.torch_device)
         self.seeds[slot] = int(seed) & _M32
 
+    def constants(self) -> dict:
+        """The row's scalar constants, computed once in Python doubles (the native kernel,
+        kdt_oracle_draft, takes them as they are, so both round identically)."""
+        q, V, p0 = self.quality, self.vocab_size, 0.05 + 0.9 * self.quality
+        return {"quality": q, "q_mid": q + (1 - q) * q, "log_p0": math.log(p0),
+                "rest_c": math.log(max(1.0 - p0, 1e-12)) - math.log(max(V - 1, 1))
+                - self.spread ** 2 / 2, "spread": self.spread}
+
     def draft_batch(self, inp, k: int):
+        """The reference implementation, in torch ops (the engine's NativeOracleDrafter runs
+        the same arithmetic as one kernel)."""
         import torch
 
-        V, L, q = self.vocab_size, self.depth, self.quality
+        c = self.constants()
+        V, L = self.vocab_size, self.depth
         K = min(int(k), V)
         dev = inp.rows.device
         d = torch.arange(1, L + 1, device=dev)                                  # [L]
@@ -141,8 +152,8 @@ class OracleDrafter:
         base = _hash(seed, P, d[None, :])                                        # [B, L]
         u = (_mix(base ^ 1) >> 8).double() / float(1 << 24)
         r_mid = 1 + (_mix(base ^ 2) % max(K - 1, 1))
-        rank = torch.where(u < q, torch.zeros_like(r_mid),
-                           torch.where((u < q + (1 - q) * q) & (K > 1), r_mid,
+        rank = torch.where(u < c["quality"], torch.zeros_like(r_mid),
+                           torch.where((u < c["q_mid"]) & (K > 1), r_mid,
                                        torch.full_like(r_mid, K)))               # [B, L]
         # K - 1 distinct wrong tokens: true + 1 + (a + j) mod (V - 1), j = 0 .. K - 1.
         j = torch.arange(K, device=dev)
@@ -152,15 +163,14 @@ class OracleDrafter:
         rk = rank[..., None]
         shifted = torch.cat([others[..., :1], others[..., :-1]], -1)            # others[j - 1]
         ids = torch.where(jj < rk, others, torch.where(jj == rk, true_tok[..., None], shifted))
-        # Log-probabilities: rank 0 gets p0, ranks 1.. share 1 - p0 by exp(spread * z).
-        p0 = 0.05 + 0.9 * q
+        # Log-probabilities: rank 0 gets p0, ranks 1.. share 1 - p0 by exp(spread * z), z a
+        # centred Irwin-Hall(4) draw scaled to variance 1.
         z = sum(((_mix(base[..., None] ^ (4 + 4 * jj + t)) >> 8).double() / float(1 << 24))
-                for t in range(4)) * 2.0 - 4.0  # Irwin-Hall(4), centred: var 1/3
-        z = z * (3.0 ** 0.5)
-        rest = (math.log(max(1.0 - p0, 1e-12)) - math.log(max(V - 1, 1)) - self.spread ** 2 / 2
-                + self.spread * z[..., 1:])
-        rest = torch.sort(rest, dim=-1, descending=True).values.clamp(max=math.log(p0))
-        top_logp = torch.cat([torch.full_like(rest[..., :1], math.log(p0)), rest], -1)
+                for t in range(4)) * 2.0 - 4.0
+        z = z * 1.7320508075688772
+        rest = c["rest_c"] + c["spread"] * z[..., 1:]
+        rest = torch.sort(rest, dim=-1, descending=True).values.clamp(max=c["log_p0"])
+        top_logp = torch.cat([torch.full_like(rest[..., :1], c["log_p0"]), rest], -1)
         return top_logp.float().contiguous(), ids.contiguous()
 
 

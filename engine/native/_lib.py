@@ -79,6 +79,13 @@ _SIG = {
     # (backend, stream, bs, n, tokens, first_child, next_sibling, num_nodes, target_argmax,
     #  accept_index, accept_len, bonus, status)
     "kdt_tree_accept": (ctypes.c_int, [ctypes.c_int, _P, _I32, _I32] + [_P] * 9),
+    # (backend, stream, bs, L, K, V, quality, q_mid, log_p0, rest_c, spread, table, table_rows,
+    #  cols, seeds, rows, lengths, top_logp, top_ids)
+    # (backend, stream, bs, n, D, max_seq, scratch_slot, rows, prefix, tokens, num_nodes,
+    #  accept_index, accept_len, bonus, hidden, hidden_ctx, next_root, result)
+    "kdt_round_finish": (ctypes.c_int, [ctypes.c_int, _P] + [_I32] * 5 + [_P] * 11),
+    "kdt_oracle_draft": (ctypes.c_int, [ctypes.c_int, _P, _I32, _I32, _I32, _I32]
+                         + [ctypes.c_double] * 5 + [_P, _I32, _I32] + [_P] * 5),
 }
 
 

@@ -537,13 +537,15 @@ class Engine:
         quality and depth, so that its rounds' graphs are reused) and each prompt's true greedy
         continuation (computed here by AR, max_new_tokens + depth + 1 tokens), seeded seed + i.
         Build it before timing a generate."""
-        from engine.drafters.oracle import OracleBatch, OracleDrafter  # lazily: another area's
+        from engine.drafters.oracle import OracleBatch  # lazily: another area's module
+
+        from .oracle import NativeOracleDrafter  # the oracle as one kernel
 
         prompts = [np.asarray(p, np.int64).reshape(-1) for p in prompts]
         truth = self.generate(prompts, max_new_tokens + depth + 1, mode="ar").tokens
         key = (float(quality), int(depth))
         if key not in self._oracles:
-            self._oracles[key] = OracleDrafter(self.vocab_size, depth=depth, quality=quality)
+            self._oracles[key] = NativeOracleDrafter(self.vocab_size, depth=depth, quality=quality)
         return OracleBatch(self._oracles[key], [np.concatenate([p, t]) for p, t in zip(prompts, truth)],
                            [seed + i for i in range(len(prompts))])
 

@@ -29,9 +29,31 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from . import tree as native_tree
+from ._lib import Call, library
 
 PHASES = ("draft", "tree", "verify", "accept", "commit", "copy")
+
+
+def finish(e, rows, prefix, tokens, num_nodes, accept_index, accept_len, bonus, hidden):
+    """kdt_round_finish: the accepted nodes' hidden states into e.hidden_ctx, the bonus tokens
+    into e.next_root; returns the result rows int32 [B, n + 2] (see Round.run)."""
+    B, n = tokens.shape
+    D = e.hidden_size
+    c = Call(library(), "kdt_round_finish", e.device)
+    ins = [c.input("rows", rows, np.int64, (B,)), c.input("prefix", prefix, np.int64, (B,)),
+           c.input("tokens", tokens, np.int64, (B, n)),
+           None if num_nodes is None else c.input("num_nodes", num_nodes, np.int32, (B,)),
+           c.input("accept_index", accept_index, np.int32, (B, n)),
+           c.input("accept_len", accept_len, np.int32, (B,)),
+           c.input("bonus", bonus, np.int64, (B,)),
+           c.input("hidden", hidden, np.float32, (B, n, D)),
+           c.input("hidden_ctx", e.hidden_ctx, np.float32, tuple(e.hidden_ctx.shape)),
+           c.input("next_root", e.next_root, np.int64, tuple(e.next_root.shape))]
+    out = c.output("result", np.int32, (B, n + 2))
+    return c.run(c.backend, c.stream, B, n, D, e.max_seq, e.scratch_slot, *ins, out)["result"]
 
 
 class DraftInput:
@@ -65,6 +87,10 @@ class Round:
         self.result_host = torch.empty((self.bucket, self.n + 2), dtype=torch.int32,
                                        pin_memory=self.cuda)
         self.k = min(self.budget, engine.vocab_size) if mode == "ddtree" else 0
+        # The one-node tree's constant parts (AR).
+        self._ar_visibility = torch.ones((self.bucket, 1, 1), dtype=torch.uint32, device=dev)
+        self._ar_index = torch.zeros((self.bucket, 1), dtype=torch.int32, device=dev)
+        self._ar_len = torch.ones((self.bucket,), dtype=torch.int32, device=dev)
         self._graphs = None  # [(phase names, CUDAGraph)]
         self._captured_version = None  # the drafter's `version` when captured
         if self.cuda:
@@ -85,7 +111,6 @@ class Round:
             self.top_logp = self.top_ids = None
 
     def _tree(self):
-        torch, B, dev = self.torch, self.bucket, self.eng.torch_device
         if self.mode == "ddtree":
             self.tree = native_tree.build_tree(self.top_logp, self.top_ids, self.budget,
                                                self.roots, self.P, device=self.eng.device)
@@ -95,47 +120,26 @@ class Round:
             self.tree = None
             self.tokens = self.roots[:, None].contiguous()
             self.positions = self.P[:, None].contiguous()
-            self.visibility = torch.ones((B, 1, 1), dtype=torch.uint32, device=dev)
+            self.visibility = self._ar_visibility
 
     def _verify(self):
         self.argmax, self.hidden = self.eng.verify(self.rows, self.tokens, self.positions,
                                                    self.visibility)
 
     def _accept(self):
-        torch, B = self.torch, self.bucket
         if self.mode == "ddtree":
             acc = native_tree.accept_greedy(self.tree, self.argmax, device=self.eng.device)
             self.accept_index, self.accept_len, self.bonus = acc.accept_index, acc.accept_len, acc.bonus
         else:  # the accept walk of a one-node tree: the root, then its argmax
-            dev = self.eng.torch_device
-            self.accept_index = torch.zeros((B, 1), dtype=torch.int32, device=dev)
-            self.accept_len = torch.ones((B,), dtype=torch.int32, device=dev)
-            self.bonus = self.argmax[:, 0]
+            self.accept_index, self.accept_len = self._ar_index, self._ar_len
+            self.bonus = self.argmax[:, 0].contiguous()
 
     def _commit(self):
-        torch, e, B, n = self.torch, self.eng, self.bucket, self.n
+        e = self.eng
         e.commit_accepted(self.rows, self.accept_index, self.accept_len)
-        dev = e.torch_device
-        k = torch.arange(n, device=dev)
-        length = self.accept_len.long()
-        valid = k[None, :] < length[:, None]                                   # [B, n]
-        index = self.accept_index.long().clamp(min=0)                          # [B, n]
-        # The drafters' context: hidden states of the accepted nodes at rows P .. P + len - 1
-        # (invalid entries land in the scratch slot's rows, which nothing reads).
-        src = (torch.arange(B, device=dev)[:, None] * n + index).reshape(-1)
-        dst = torch.where(valid, self.rows[:, None] * e.max_seq + self.P[:, None] + k[None, :],
-                          e.scratch_slot * e.max_seq + k[None, :]).reshape(-1)
-        D = e.hidden_size
-        e.hidden_ctx.view(-1, D).index_copy_(0, dst, self.hidden.reshape(-1, D)[src])
-        e.next_root.index_copy_(0, self.rows, self.bonus)
-        # The result: [accepted length a, tree nodes, a - 1 accepted tokens after the root, bonus].
-        path = self.tokens.gather(1, index)                                    # [B, n]
-        res = torch.zeros((B, n + 2), dtype=torch.int64, device=dev)
-        res[:, 0] = length
-        res[:, 1] = self.tree.num_nodes if self.tree is not None else 1
-        res[:, 2:n + 1] = path[:, 1:]
-        res.scatter_(1, length[:, None] + 1, self.bonus[:, None])
-        self.result = res.to(torch.int32)
+        self.result = finish(e, self.rows, self.P, self.tokens,
+                             None if self.tree is None else self.tree.num_nodes,
+                             self.accept_index, self.accept_len, self.bonus, self.hidden)
 
     def _copy(self):
         self.result_host.copy_(self.result, non_blocking=self.cuda)

@@ -157,6 +157,23 @@ KDT_API kdt_status kdt_verify_attention(kdt_backend backend, void* stream, kdt_d
 
 /* ---------------------------------------------------------------- engine -------------- */
 /* (section owned by the native engine: declarations and their shape comments go here) */
+/* ---- the noisy ORACLE drafter (benchmarks) ---------------------------------------------------
+ * kdt_oracle_draft: the batched noisy ORACLE of engine/drafters/oracle.py (OracleDrafter, whose
+ * torch draft_batch is the reference; this kernel matches it bit for bit). For request b (slot
+ * rows[b], committed length P = lengths[b]) and depth d in 1..L, the true token is
+ * table[slot, min(P + d, cols - 1)] (table int64 [table_rows, cols]); a 32-bit hash of
+ * (seeds[slot], P, d) puts it at rank 0 with probability `quality`, at a rank in [1, K) below
+ * q_mid = q + (1 - q) q, else outside the top K; the other ranks hold distinct wrong tokens.
+ * top_logp float32 [bs, L, K]: log_p0 at rank 0, then rest_c + spread * z_j sorted descending
+ * and clamped to log_p0 (z_j a centred Irwin-Hall(4) draw of variance 1); top_ids int64
+ * [bs, L, K]. 1 <= L <= 64, 1 <= K <= min(V, 1024). CUDA: asynchronous on `stream`, no sync. */
+KDT_API kdt_status kdt_oracle_draft(kdt_backend backend, void* stream, int32_t bs, int32_t L,
+                                    int32_t K, int32_t V, double quality, double q_mid,
+                                    double log_p0, double rest_c, double spread,
+                                    const int64_t* table, int32_t table_rows, int32_t cols,
+                                    const int64_t* seeds, const int64_t* rows,
+                                    const int64_t* lengths, float* top_logp, int64_t* top_ids);
+
 /*
  * The native engine: an FP32 DeepSeek-V3-style (MLA + MoE) target model with a latent KV cache
  * per request slot. Unlike the kernels above, every engine call takes HOST pointers for both
@@ -229,6 +246,21 @@ KDT_API kdt_status kdt_engine_verify(kdt_engine* engine, void* stream, int32_t n
                                      const int64_t* positions, const uint32_t* visibility,
                                      int32_t vis_words, int64_t* argmax, float* hidden,
                                      float* logits);
+/* kdt_round_finish: the end of a round, after kdt_engine_commit_accepted. For request b on a
+ * real slot (rows[b] < scratch_slot) with a = accept_len[b] accepted nodes (root first):
+ * hidden_ctx[rows[b] * max_seq + prefix[b] + k] = hidden[b, accept_index[b, k]] for k < a (the
+ * drafters' context: final-norm hidden states of committed tokens), next_root[rows[b]] =
+ * bonus[b]; for every request, result[b] = [a, num_nodes[b] (1 when num_nodes is NULL),
+ * tokens[b, accept_index[b, 1 .. a)], bonus[b], 0...] (int32 [bs, n + 2]: what the host
+ * copies home). rows, prefix int64 [bs]; tokens int64 [bs, n]; hidden float32 [bs, n, D];
+ * hidden_ctx float32 [(scratch_slot + 1) * max_seq, D]; next_root int64 [scratch_slot + 1]. */
+KDT_API kdt_status kdt_round_finish(kdt_backend backend, void* stream, int32_t bs, int32_t n,
+                                    int32_t D, int32_t max_seq, int32_t scratch_slot,
+                                    const int64_t* rows, const int64_t* prefix,
+                                    const int64_t* tokens, const int32_t* num_nodes,
+                                    const int32_t* accept_index, const int32_t* accept_len,
+                                    const int64_t* bonus, const float* hidden, float* hidden_ctx,
+                                    int64_t* next_root, int32_t* result);
 KDT_API kdt_status kdt_engine_commit_accepted(kdt_engine* engine, void* stream, int32_t n_req,
                                               int32_t n, const int32_t* slots,
                                               const int32_t* accept_index,
