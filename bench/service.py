@@ -4,7 +4,7 @@
 
 With --url: sweeps the server at URL (any OpenAI-compatible /v1/completions: ours, vLLM's,
 SGLang's). Without: for each mode (AR, then DDTree) starts our server (`python -m engine.serving`)
-on 127.0.0.1 on a free port with the tiny model (`engine.reference.model` init, seed 0, its block drafter
+on 127.0.0.1 on a free port with the tiny model (`python -m engine.cli.model init`, seed 0, its block drafter
 seed 1, from the weights cache of bench/weights.py, never the run folder; or the `weights`
 option; params["weights"] records folder, config and sha256 per file; DDTree serves with the
 trained block drafter of bench/weights.trained_drafter_weights, recorded in params["drafter"]:
@@ -25,7 +25,10 @@ Options: ctx.args keys, else environment variables KDT_SERVICE_<KEY> (upper case
 prompt_tokens read KDT_SERVICE_OUTPUT_LEN and KDT_SERVICE_PROMPT_LEN), else the defaults below
 (--quick: QUICK). concurrency (comma list), requests (per level), max_tokens,
 prompt_tokens, prompts (a file: .jsonl {"prompt": ...} lines, or text lines), modes (comma list
-of ar, ddtree), budget, weights, max_batch (default: the largest level), timeout_s (per request).
+of ar, ddtree), budget (the DDTree node budget, 15), round_tokens (128: the server shrinks a
+round's budget along 63, 31, 15, 7, 3, 1 while requests x (budget + 1) exceeds it, so at
+concurrency 16 a round verifies trees of 8 nodes and at 32 of 4: engine/serving/batcher.py),
+weights, max_batch (default: the largest level), timeout_s (per request).
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ from bench.timing import summarize
 NAME = "service"
 DEFAULTS = {"concurrency": "1,4,8,10,16,32", "requests": 64, "max_tokens": 256,
             "prompt_tokens": 32, "seed": 1234, "prompts": None, "modes": "ar,ddtree",
-            "budget": 63, "weights": None, "max_batch": None, "timeout_s": 600.0}
+            "budget": 15, "round_tokens": 128, "weights": None, "max_batch": None,
+            "timeout_s": 600.0}
 QUICK = {**DEFAULTS, "concurrency": "1,4", "requests": 8, "max_tokens": 32}
 # Names with "token" in them are refused in host inventories' env (secret filter): lengths instead.
 ENV_NAMES = {"max_tokens": "KDT_SERVICE_OUTPUT_LEN", "prompt_tokens": "KDT_SERVICE_PROMPT_LEN"}
@@ -67,7 +71,7 @@ def options(ctx) -> dict:
             v = os.environ.get(ENV_NAMES.get(key, f"KDT_SERVICE_{key.upper()}"), default)
         out[key] = v
     try:
-        for key in ("requests", "max_tokens", "prompt_tokens", "seed", "budget"):
+        for key in ("requests", "max_tokens", "prompt_tokens", "seed", "budget", "round_tokens"):
             out[key] = int(out[key])
         out["timeout_s"] = float(out["timeout_s"])
         c = out["concurrency"]
@@ -280,13 +284,14 @@ def run(ctx) -> dict:
             log = Path(ctx.out_dir) / f"service_server_{mode}.log"
             rows = slot_rows(prompts, opts["max_tokens"], mode, opts["budget"])
             extra = (("--served-model-name", "kdtree-tiny") if tiny else ()) + \
-                ("--max-seq", str(rows))
+                ("--max-seq", str(rows), "--round-tokens", str(opts["round_tokens"]))
             with ServerProcess(weights, mode, opts["budget"], device, max_batch,
                                max_queue, log, extra=extra) as srv:
                 check = engine_check(srv.url, weights, device, prompts[:VALIDATE_PROMPTS], rows)
                 model, levels = asyncio.run(sweep(srv.url, prompts, opts, ours=True))
             results += _records(f"{mode}/{device}", srv.url, model, levels, opts,
                                 {"mode": mode, "budget": opts["budget"] if mode == "ddtree"
+                                 else None, "round_tokens": opts["round_tokens"] if mode == "ddtree"
                                  else None, "device": device}, check)
     return {"params": {k: v for k, v in opts.items()} | {"url": url,
                                                         "prompts_source": opts["prompts"] or

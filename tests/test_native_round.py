@@ -256,7 +256,8 @@ def _finish_reference(rows, prefix, tokens, num_nodes, index, length, bonus, hid
         res[b, 0], res[b, 1] = a, 1 if num_nodes is None else num_nodes[b]
         for k in range(1, a):
             res[b, 1 + k] = tokens[b, index[b, k]]
-        res[b, 1 + a] = bonus[b]
+        if a >= 1:  # a malformed row (a = 0) has no bonus column
+            res[b, 1 + a] = bonus[b]
         if 0 <= rows[b] < scratch:
             root[rows[b]] = bonus[b]
             for k in range(a):

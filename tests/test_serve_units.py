@@ -314,3 +314,19 @@ def test_service_suite_sizes_slots_for_its_requests():
     prompts = [[1] * 40, "h\u00e9llo" * 20]  # 120 bytes: the text is the longest
     assert slot_rows(prompts, n, "ddtree", 63) == max(1024, 120 + n + 64), f"n = {n}"
     assert slot_rows(prompts, n, "ar", 63) == max(1024, 120 + n + 1), f"n = {n}"
+
+
+def test_round_budget_shrinks_with_the_batch():
+    """round_tokens: the budget halves along 2^k - 1 while requests x (B + 1) exceeds it; 0 keeps
+    the budget; the floor is 1."""
+    from engine.serving.batcher import Batcher
+
+    class E:
+        max_slots = 64
+
+    b = Batcher(E(), "ddtree", budget=63, max_batch=64, round_tokens=128)
+    assert [b.step_budget(n) for n in (1, 2, 3, 4, 8, 16, 32, 64, 100)] == \
+        [63, 63, 31, 31, 15, 7, 3, 1, 1]
+    assert Batcher(E(), "ddtree", budget=15, max_batch=64).step_budget(64) == 15
+    with pytest.raises(ValueError, match="round_tokens"):
+        Batcher(E(), "ddtree", budget=15, max_batch=64, round_tokens=-1)

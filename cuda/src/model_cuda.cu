@@ -104,6 +104,41 @@ __global__ void linear_kernel(const float* W, const float* x, float* y, int T, i
   }
 }
 
+// The same product for a tile of kTile tokens per warp: the warp reads each weight row once
+// per tile instead of once per token. Token t's sum has exactly warp_dot's order (lane-strided
+// partial sums, the same butterfly), so results are bit-identical to linear_kernel's whatever
+// the batch: DDTree verify and AR decoding keep computing the same rows.
+constexpr int kTile = 8;
+__global__ void linear_tiled_kernel(const float* W, const float* x, float* y, int T, int in,
+                                    int out, int accumulate) {
+  const long warp = (long(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  const long tiles = (T + kTile - 1) / kTile;
+  if (warp >= tiles * out) return;
+  const int t0 = int(warp / out) * kTile, o = int(warp % out);
+  const int nt = T - t0 < kTile ? T - t0 : kTile;
+  const float* w = W + size_t(o) * in;
+  const float* xt = x + size_t(t0) * in;
+  float s[kTile];
+#pragma unroll
+  for (int t = 0; t < kTile; ++t) s[t] = 0.f;
+  for (int k = lane; k < in; k += kWarp) {
+    const float wk = w[k];
+#pragma unroll
+    for (int t = 0; t < kTile; ++t)
+      if (t < nt) s[t] += wk * xt[size_t(t) * in + k];
+  }
+#pragma unroll
+  for (int t = 0; t < kTile; ++t) s[t] = warp_sum(s[t]);
+  if (lane < nt) {
+    float v = s[0];
+#pragma unroll
+    for (int t = 1; t < kTile; ++t) v = lane == t ? s[t] : v;
+    float* dst = y + size_t(t0 + lane) * out + o;
+    *dst = accumulate ? *dst + v : v;
+  }
+}
+
 // Per-token metadata of a forward batch (device): cache row of token t is
 //   cache + (slot[t] * max_seq + prefix[t] + node[t]) * KD.
 struct TokenMeta {
@@ -648,8 +683,12 @@ void run_layers(Engine& e, Scratch& s, int T, const TokenMeta& tm, const int64_t
   const float eps = float(c.rms_eps);
   float *x = s.x.as<float>(), *h = s.h.as<float>();
   auto linear = [&](const float* W, const float* in, float* out, int in_dim, int out_dim, int acc) {
-    linear_kernel<<<blocks_for_warps(long(T) * out_dim), kBlock, 0, st>>>(W, in, out, T, in_dim,
-                                                                          out_dim, acc);
+    if (T >= 2)  // a weight row read once per tile of tokens
+      linear_tiled_kernel<<<blocks_for_warps(long((T + kTile - 1) / kTile) * out_dim), kBlock, 0,
+                            st>>>(W, in, out, T, in_dim, out_dim, acc);
+    else
+      linear_kernel<<<blocks_for_warps(long(T) * out_dim), kBlock, 0, st>>>(W, in, out, T, in_dim,
+                                                                            out_dim, acc);
   };
   auto capture = [&](int k) {
     for (int ci = 0; ci < n_capture; ++ci)

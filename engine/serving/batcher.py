@@ -70,7 +70,7 @@ class Job:
 
 class Batcher:
     def __init__(self, engine, mode: str, budget: int = 63, max_batch: int = 32,
-                 max_queue: int = 64, drafter=None):
+                 max_queue: int = 64, drafter=None, round_tokens: int = 0):
         if mode not in ("ar", "ddtree"):
             raise ValueError(f"Batcher: mode={mode!r} must be 'ar' or 'ddtree'")
         if not 1 <= max_batch <= engine.max_slots:
@@ -78,7 +78,10 @@ class Batcher:
                              f"= {engine.max_slots}]")
         if max_queue < 0:
             raise ValueError(f"Batcher: max_queue = {max_queue} must be >= 0")
+        if round_tokens < 0:
+            raise ValueError(f"Batcher: round_tokens = {round_tokens} must be >= 0 (0: off)")
         self.engine, self.mode, self.budget = engine, mode, int(budget)
+        self.round_tokens = int(round_tokens)
         self.max_batch, self.max_queue, self.drafter = int(max_batch), int(max_queue), drafter
         # Tree width a round appends to the cache before compaction (the root alone for AR).
         self.width = 1 if mode == "ar" else self.budget + 1
@@ -248,11 +251,21 @@ class Batcher:
         self._active[job.slot] = job
         self._deliver(job, self.engine.tokens(job.slot))
 
+    def step_budget(self, active: int) -> int:
+        """The tree budget of a round with `active` requests: `budget`, halved along
+        2^k - 1 (63, 31, 15, 7, 3, 1) while active x (budget + 1) exceeds round_tokens, so a
+        round's verify stays near the size that pays; round_tokens 0 keeps `budget` always."""
+        b = self.budget
+        if self.round_tokens:
+            while b > 1 and active * (b + 1) > self.round_tokens:
+                b = max(1, (b + 1) // 2 - 1)
+        return b
+
     def _step(self) -> None:
         t0 = time.perf_counter()
         jobs = list(self._active.values())
         try:
-            self.engine.step(self.mode, self.budget, self.drafter)
+            self.engine.step(self.mode, self.step_budget(len(jobs)), self.drafter)
         except Exception as e:  # fail this batch, keep serving
             for job in jobs:
                 self._finish(job, ("error", f"decode step failed: {type(e).__name__}: {e}"),

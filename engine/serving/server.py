@@ -341,14 +341,15 @@ class Server:
 
 def build(weights, mode: str = "ar", budget: int = 63, device: str = "cpu", max_batch: int = 32,
           max_queue: int = 64, max_seq: int = 1024, model_name: str | None = None,
-          instance_id: str | None = None, debug_hooks: bool = False) -> Server:
+          instance_id: str | None = None, debug_hooks: bool = False, round_tokens: int = 0,
+          graphs: bool | None = None) -> Server:
     """Engine + Batcher (started) + Server for the weights folder."""
     from engine.native.engine import Engine
 
-    engine = Engine(weights, device=device, max_slots=max_batch, max_seq=max_seq)
+    engine = Engine(weights, device=device, max_slots=max_batch, max_seq=max_seq, graphs=graphs)
     if mode == "ddtree":
         engine.block_drafter()  # load it now, not inside the first request
-    batcher = Batcher(engine, mode, budget, max_batch, max_queue)
+    batcher = Batcher(engine, mode, budget, max_batch, max_queue, round_tokens=round_tokens)
     batcher.start()
     return Server(batcher, model_name or Path(weights).resolve().name, engine.vocab_size,
                   instance_id, debug_hooks)
@@ -389,6 +390,10 @@ def main(argv=None) -> int:
     ap.add_argument("--weights", required=True, help="folder from `python -m engine.cli.model init`")
     ap.add_argument("--mode", choices=("ar", "ddtree"), default="ddtree")
     ap.add_argument("--budget", type=int, default=63, help="DDTree node budget B")
+    ap.add_argument("--round-tokens", type=int, default=0, help="DDTree: shrink a round's budget "
+                    "(63, 31, 15, 7, 3, 1) while requests x (B + 1) exceeds this (0: never)")
+    ap.add_argument("--no-graphs", action="store_true", help="run rounds eagerly, without CUDA "
+                    "graphs (debugging; KDTREE_GRAPHS=0 does the same)")
     ap.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     ap.add_argument("--bind", default="127.0.0.1", help="address to listen on")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -406,15 +411,18 @@ def main(argv=None) -> int:
     if args.budget < 1:
         print(f"error: serve: --budget {args.budget}: need >= 1", file=sys.stderr)
         return 5
+    if args.round_tokens < 0:
+        print(f"error: serve: --round-tokens {args.round_tokens}: need >= 0", file=sys.stderr)
+        return 5
     if not (Path(args.weights) / "config.json").is_file():
         print(f"error: serve: --weights {args.weights}: no config.json there (python -m "
-              "engine.reference.model init --out DIR writes one)", file=sys.stderr)
+              "engine.cli.model init --out DIR writes one)", file=sys.stderr)
         return 5
     limit_cpu_threads(args.threads)
     try:
         server = build(args.weights, args.mode, args.budget, args.device, args.max_batch,
                        args.max_queue, args.max_seq, args.served_model_name, args.instance_id,
-                       args.debug_hooks)
+                       args.debug_hooks, args.round_tokens, False if args.no_graphs else None)
     except (OSError, ValueError, RuntimeError) as e:
         print(f"error: serve: {type(e).__name__}: {e}", file=sys.stderr)
         return 5
