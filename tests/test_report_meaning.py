@@ -100,3 +100,36 @@ def test_meaning_figures(rng):
 def test_meaning_of_nothing_says_so():
     assert rm.meaning({"suites": {}, "from": {}}) == [
         "- These runs have no tree-build, attention, e2e or service results to interpret."]
+
+
+def test_round_breakdown_table_and_plot(rng, tmp_path):
+    """Where a round goes: one row per (batch, AR / budget) of the trained drafter with every
+    phase in us and the whole-graph round over the AR step's; the stacked-bar PNG is written."""
+    from engine.remote.report_figures import plots
+
+    view, *_, e2e, _ = _view(rng)
+    phases = {}
+    for r in e2e:
+        if r["mode"] == "ar" or r["drafter"] == "block:trained":
+            ph = {p: float(rng.uniform(0.001, 0.3)) for p in rm.ROUND_PHASES}
+            r["round"] = {"rounds": 10, "round_ms": float(rng.uniform(0.1, 1.0)), "phases_ms": ph,
+                          "graphs": True}
+            phases[(r["batch"], r["mode"], r["budget"])] = r["round"]
+    lines = rm._round_lines(view)
+    assert "drafter block:trained" in lines[0]
+    for (b, mode, budget), rd in phases.items():
+        label = "AR step" if mode == "ar" else f"B={budget}"
+        row = next(x for x in lines if x.startswith(f"| {b} | {label} |"))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[2:8] == [format(1e3 * rd["phases_ms"][p], ".0f") for p in rm.ROUND_PHASES]
+        assert cells[8] == format(1e3 * rd["round_ms"], ".0f")
+        ar = phases[(b, "ar", 0)]["round_ms"]
+        assert cells[9] == format(rd["round_ms"] / ar, ".2f")
+    written = plots(view, [], tmp_path, "h")
+    assert tmp_path / "BENCHMARKS_h_rounds.png" in written
+    for r in e2e:  # older JSON (no breakdown): no table, no plot
+        r.pop("round", None)
+    assert rm._round_lines(view) == []
+    again = tmp_path / "again"
+    again.mkdir()
+    assert again / "BENCHMARKS_h_rounds.png" not in plots(view, [], again, "h")

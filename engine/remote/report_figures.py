@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.remote.report_meaning import (e2e_device, e2e_drafters, e2e_find, headline, median,
+from engine.remote.report_meaning import (ROUND_PHASES, e2e_device, e2e_drafters, e2e_find,
+                                          headline, median, round_drafter, round_phases,
                                           sglang_backend, timed, tree_records)
 
 
@@ -83,6 +84,7 @@ def plots(view, runs, docs_dir: Path, host: str) -> list:
         ax.legend(fontsize=5, ncol=2)
         save(fig, "attention")
     _e2e_plot(view, plt, save)
+    _round_plot(view, plt, save)
     _service_plot(view, plt, save)
     hist = [(i, headline(r)) for i, r in enumerate(runs)]
     if sum(1 for _, h in hist if h) >= 2:
@@ -131,6 +133,43 @@ def _e2e_plot(view, plt, save):
     axes[0][0].set_ylabel("speedup over AR (x, wall clock)")
     axes[0][0].legend(fontsize=7)
     save(fig, "e2e")
+
+
+def _round_plot(view, plt, save):
+    """Where a round's time goes: a stacked bar per budget (the phases of round.PHASES, ms per
+    round from the profiled engine) with the AR step beside them, one panel per batch size; a
+    dot marks the plain engine's whole-graph round."""
+    recs = list(timed(view["suites"].get("e2e")))
+    dev = e2e_device(view)
+    dr = round_drafter(recs)
+    if not recs or not dev or not dr:
+        return
+    batches = sorted({r["batch"] for r in recs if r.get("backend") == dev})
+    budgets = sorted({r.get("budget") for r in recs if r.get("mode") == "ddtree"})
+    fig, axes = plt.subplots(1, len(batches), figsize=(4.5 * len(batches), 3.6), squeeze=False)
+    colors = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860"]
+    drawn = 0
+    for ax, b in zip(axes[0], batches):
+        bars = [("AR", e2e_find(recs, dev, b, "ar"))] + \
+            [(f"B={g}", e2e_find(recs, dev, b, "ddtree", g, dr)) for g in budgets]
+        bars = [(lab, r) for lab, r in bars if round_phases(r)]
+        for i, (lab, r) in enumerate(bars):
+            ph, bottom = round_phases(r), 0.0
+            for p, c in zip(ROUND_PHASES, colors):
+                v = 1e3 * ph.get(p, 0.0)
+                ax.bar(i, v, bottom=bottom, color=c, label=p if i == 0 else None)
+                bottom += v
+            whole = (r.get("round") or {}).get("round_ms")
+            if whole:
+                ax.plot(i, 1e3 * whole, "k.", label="whole graph" if i == 0 else None)
+            drawn += 1
+        ax.set_xticks(range(len(bars)), [lab for lab, _ in bars])
+        ax.set(ylabel="us per round", title=f"{dev} rounds, bs {b}, {dr}")
+    if not drawn:  # older e2e JSON without the round breakdown: no empty plot
+        plt.close(fig)
+        return
+    axes[0][0].legend(fontsize=7)
+    save(fig, "rounds")
 
 
 def _service_plot(view, plt, save):

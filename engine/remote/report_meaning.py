@@ -321,6 +321,50 @@ def _e2e_lines(view) -> list:
     return out
 
 
+ROUND_PHASES = ("draft", "tree", "verify", "accept", "commit", "copy")  # engine/native/round.py
+
+
+def round_drafter(recs) -> str | None:
+    """The drafter whose rounds the breakdown shows: the trained block drafter, else the best
+    oracle present."""
+    names = e2e_drafters(recs)
+    return next((n for n in ("block:trained", "block") if n in names), names[-1] if names else None)
+
+
+def round_phases(r) -> dict | None:
+    """An e2e record's per-phase ms per round (its profiled engine), or None (older JSON)."""
+    ph = (r or {}).get("round", {}).get("phases_ms") if isinstance((r or {}).get("round"), dict) else None
+    return ph if isinstance(ph, dict) and ph else None
+
+
+def _round_lines(view) -> list:
+    e2e = list(timed(view["suites"].get("e2e")))
+    dev = e2e_device(view)
+    dr = round_drafter(e2e)
+    if not e2e or not dev or not dr:
+        return []
+    budgets = sorted({r.get("budget") for r in e2e if r.get("mode") == "ddtree"})
+    rows = []
+    for b in sorted({r["batch"] for r in e2e if r.get("backend") == dev}):
+        ar = e2e_find(e2e, dev, b, "ar")
+        for label, r in [("AR step", ar)] + [(f"B={g}", e2e_find(e2e, dev, b, "ddtree", g, dr)) for g in budgets]:
+            ph = round_phases(r)
+            if not ph:
+                continue
+            whole = (r.get("round") or {}).get("round_ms")
+            ratio = whole / ar["round"]["round_ms"] if whole and round_phases(ar) and ar["round"].get("round_ms") else None
+            rows.append(f"| {b} | {label} | " + " | ".join(_num(1e3 * ph.get(p, 0.0), ".0f") for p in ROUND_PHASES)
+                        + f" | {_num(None if whole is None else 1e3 * whole, '.0f')} | {_num(ratio, '.2f')} |")
+    if not rows:
+        return []
+    return [f"Where a round goes ({dev}, drafter {dr}, e2e{_src(view, 'e2e')}): microseconds per "
+            "round and phase, from a second engine that times each phase (CUDA events around "
+            "per-phase graphs on CUDA); 'round' is the plain engine's mean round (one whole graph "
+            "and its one host sync, measured on the host), 'x AR' that over the AR step's:", "",
+            "| bs | round | " + " | ".join(ROUND_PHASES) + " | round | x AR |",
+            "|--:|---|" + "--:|" * (len(ROUND_PHASES) + 2)] + rows + [""]
+
+
 def _service_lines(view) -> list:
     recs = list(timed(view["suites"].get("service")))
     if not recs:
@@ -336,7 +380,9 @@ def _service_lines(view) -> list:
                     f"{us(t.get('p99'))} | {r.get('errors', '-')} |")
     p = view["suites"]["service"].get("params") or {}
     return [f"Served (service{_src(view, 'service')}; {p.get('requests', '?')} requests per level, "
-            f"{p.get('max_tokens', '?')} tokens each, DDTree budget {p.get('budget', '?')}): aggregate "
+            f"{p.get('max_tokens', '?')} tokens each, DDTree budget {p.get('budget', '?')}"
+            + (f", shrunk while requests x (budget + 1) > {p['round_tokens']}" if p.get("round_tokens") else "")
+            + "): aggregate "
             "tokens/s of all requests over the level's wall time, and time to first token:", "",
             "| mode | concurrency | tok/s | vs AR | TTFT p50 | TTFT p99 | errors |",
             "|---|--:|--:|--:|--:|--:|--:|"] + rows + [""]
@@ -345,7 +391,7 @@ def _service_lines(view) -> list:
 def meaning(view) -> list:
     """The section's lines (markdown)."""
     out = []
-    for part in (_tree_lines, _step_lines, _attention_lines, _e2e_lines, _service_lines):
+    for part in (_tree_lines, _step_lines, _attention_lines, _e2e_lines, _round_lines, _service_lines):
         lines = part(view)
         if lines:
             out += lines + ([""] if lines[-1] != "" else [])
