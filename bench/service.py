@@ -25,9 +25,9 @@ Options: ctx.args keys, else environment variables KDT_SERVICE_<KEY> (upper case
 prompt_tokens read KDT_SERVICE_OUTPUT_LEN and KDT_SERVICE_PROMPT_LEN), else the defaults below
 (--quick: QUICK). concurrency (comma list), requests (per level), max_tokens,
 prompt_tokens, prompts (a file: .jsonl {"prompt": ...} lines, or text lines), modes (comma list
-of ar, ddtree), budget (the DDTree node budget, 15), round_tokens (128: the server shrinks a
-round's budget along 63, 31, 15, 7, 3, 1 while requests x (budget + 1) exceeds it, so at
-concurrency 16 a round verifies trees of 8 nodes and at 32 of 4: engine/serving/batcher.py),
+of ar, ddtree), budget (the DDTree node budget, 15), round_tokens (64: the server shrinks a
+round's budget along 15, 7, 3 while requests x (budget + 1) exceeds it and runs AR steps past
+that: budget 15 up to 4 requests, 7 up to 8, 3 up to 16, AR beyond; engine/serving/batcher.py),
 weights, max_batch (default: the largest level), timeout_s (per request).
 """
 
@@ -53,7 +53,7 @@ from bench.timing import summarize
 NAME = "service"
 DEFAULTS = {"concurrency": "1,4,8,10,16,32", "requests": 64, "max_tokens": 256,
             "prompt_tokens": 32, "seed": 1234, "prompts": None, "modes": "ar,ddtree",
-            "budget": 15, "round_tokens": 128, "weights": None, "max_batch": None,
+            "budget": 15, "round_tokens": 64, "weights": None, "max_batch": None,
             "timeout_s": 600.0}
 QUICK = {**DEFAULTS, "concurrency": "1,4", "requests": 8, "max_tokens": 32}
 # Names with "token" in them are refused in host inventories' env (secret filter): lengths instead.

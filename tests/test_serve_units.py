@@ -317,16 +317,18 @@ def test_service_suite_sizes_slots_for_its_requests():
 
 
 def test_round_budget_shrinks_with_the_batch():
-    """round_tokens: the budget halves along 2^k - 1 while requests x (B + 1) exceeds it; 0 keeps
-    the budget; the floor is 1."""
+    """round_tokens: the budget halves along 2^k - 1 while requests x (B + 1) exceeds it, down
+    to 3, then 0 (AR steps); round_tokens 0 keeps the budget."""
     from engine.serving.batcher import Batcher
 
     class E:
         max_slots = 64
 
     b = Batcher(E(), "ddtree", budget=63, max_batch=64, round_tokens=128)
-    assert [b.step_budget(n) for n in (1, 2, 3, 4, 8, 16, 32, 64, 100)] == \
-        [63, 63, 31, 31, 15, 7, 3, 1, 1]
+    assert [b.step_budget(n) for n in (1, 2, 3, 4, 8, 16, 32, 33, 64)] == \
+        [63, 63, 31, 31, 15, 7, 3, 0, 0]
+    assert [Batcher(E(), "ddtree", budget=15, max_batch=64, round_tokens=64).step_budget(n)
+            for n in (1, 4, 5, 8, 16, 17, 32)] == [15, 15, 7, 7, 3, 0, 0]
     assert Batcher(E(), "ddtree", budget=15, max_batch=64).step_budget(64) == 15
     with pytest.raises(ValueError, match="round_tokens"):
         Batcher(E(), "ddtree", budget=15, max_batch=64, round_tokens=-1)

@@ -109,6 +109,7 @@ __global__ void linear_kernel(const float* W, const float* x, float* y, int T, i
 // partial sums, the same butterfly), so results are bit-identical to linear_kernel's whatever
 // the batch: DDTree verify and AR decoding keep computing the same rows.
 constexpr int kTile = 8;
+constexpr int kTiledFromTokens = 256;
 __global__ void linear_tiled_kernel(const float* W, const float* x, float* y, int T, int in,
                                     int out, int accumulate) {
   const long warp = (long(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
@@ -683,7 +684,10 @@ void run_layers(Engine& e, Scratch& s, int T, const TokenMeta& tm, const int64_t
   const float eps = float(c.rms_eps);
   float *x = s.x.as<float>(), *h = s.h.as<float>();
   auto linear = [&](const float* W, const float* in, float* out, int in_dim, int out_dim, int acc) {
-    if (T >= 2)  // a weight row read once per tile of tokens
+    // A weight row read once per tile of tokens pays only for large batches (H200, tiny
+    // model: 15% faster at 512 tokens, 20% slower at 16, where one warp per output keeps more
+    // warps in flight).
+    if (T >= kTiledFromTokens)
       linear_tiled_kernel<<<blocks_for_warps(long((T + kTile - 1) / kTile) * out_dim), kBlock, 0,
                             st>>>(W, in, out, T, in_dim, out_dim, acc);
     else

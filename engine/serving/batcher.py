@@ -251,21 +251,25 @@ class Batcher:
         self._active[job.slot] = job
         self._deliver(job, self.engine.tokens(job.slot))
 
+    MIN_ROUND_BUDGET = 3  # smaller trees accept too little to pay for drafting
+
     def step_budget(self, active: int) -> int:
-        """The tree budget of a round with `active` requests: `budget`, halved along
-        2^k - 1 (63, 31, 15, 7, 3, 1) while active x (budget + 1) exceeds round_tokens, so a
-        round's verify stays near the size that pays; round_tokens 0 keeps `budget` always."""
+        """The tree budget of a round with `active` requests: `budget`, halved along 2^k - 1
+        (63, 31, 15, 7, 3) while active x (budget + 1) exceeds round_tokens, so a round's verify
+        stays near the size that pays; 0 (an AR step: speculation off under load) once even
+        budget 3 exceeds it. round_tokens 0 keeps `budget` always."""
         b = self.budget
         if self.round_tokens:
-            while b > 1 and active * (b + 1) > self.round_tokens:
-                b = max(1, (b + 1) // 2 - 1)
+            while b > 0 and active * (b + 1) > self.round_tokens:
+                b = (b + 1) // 2 - 1 if b > self.MIN_ROUND_BUDGET else 0
         return b
 
     def _step(self) -> None:
         t0 = time.perf_counter()
         jobs = list(self._active.values())
         try:
-            self.engine.step(self.mode, self.step_budget(len(jobs)), self.drafter)
+            budget = self.step_budget(len(jobs)) if self.mode == "ddtree" else 0
+            self.engine.step(self.mode if budget else "ar", budget, self.drafter)
         except Exception as e:  # fail this batch, keep serving
             for job in jobs:
                 self._finish(job, ("error", f"decode step failed: {type(e).__name__}: {e}"),

@@ -391,7 +391,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", choices=("ar", "ddtree"), default="ddtree")
     ap.add_argument("--budget", type=int, default=63, help="DDTree node budget B")
     ap.add_argument("--round-tokens", type=int, default=0, help="DDTree: shrink a round's budget "
-                    "(63, 31, 15, 7, 3, 1) while requests x (B + 1) exceeds this (0: never)")
+                    "(63, 31, 15, 7, 3) while requests x (B + 1) exceeds this, AR steps past "
+                    "budget 3 (0: never)")
     ap.add_argument("--no-graphs", action="store_true", help="run rounds eagerly, without CUDA "
                     "graphs (debugging; KDTREE_GRAPHS=0 does the same)")
     ap.add_argument("--port", type=int, default=8000, help="0 picks a free port")
