@@ -32,8 +32,8 @@ from . import provenance
 from .errors import BuildFailed, ConfigError, KdtError, StepTimeout, TestsFailed, TransferError
 from .inventory import Host
 from .locks import RemoteLock
-from .plan import (Layout, Options, Plan, make_run_id, plan_deploy, plan_run, runner_request,
-                   source_digest)
+from .plan import (BUILD_INPUTS, BUNDLE_INPUTS, Layout, Options, Plan, make_run_id, plan_deploy,
+                   plan_run, runner_request, source_digest)
 from .progress import Progress
 from .connect import open_transport
 from .hostfiles import layout_for, read_remote_json, write_remote_json
@@ -84,17 +84,25 @@ def _deploy_on(t: Transport, host: Host, repo_root: Path, opts: Options, progres
         build = plan.step("build")
         if build.skipped:
             return summary + f"; build skipped ({build.skipped})"
-        digest = source_digest(repo_root, files, build.argv)
+        bundles = plan.step("bundles")
         stamp_path = f"{lay.build}/deploy.json"
-        stamp = read_remote_json(t, stamp_path)
-        lib_ok = t.run(["test", "-f", lay.lib], timeout=host.timeouts.connect).ok
-        if stamp and stamp.get("source_digest") == digest and lib_ok:
-            log(f"build: up to date ({lay.lib}, source digest {digest[:12]})")
+        probe = _deploy_probe(t, host, lay, stamp_path)
+        stamp = probe["stamp"] or {}
+        digests = {"build": source_digest(repo_root, files, build.argv, BUILD_INPUTS, probe["toolchain"]),
+                   "bundles": source_digest(repo_root, files, bundles.argv or [], BUNDLE_INPUTS)}
+        todo = []
+        if stamp.get("build_digest") == digests["build"] and probe["lib"]:
+            log(f"build: up to date ({lay.lib}, digest {digests['build'][:12]} of cuda/, the build "
+                f"line and {probe['toolchain'].splitlines()[0] if probe['toolchain'] else 'the compiler'})")
+        else:
+            todo.append(build)
+        if bundles.skipped:
+            log(f"bundles: skipped ({bundles.skipped})")
+        elif todo or stamp.get("bundles_digest") != digests["bundles"] or not probe["bundles"]:
+            todo.append(bundles)
+        if not todo:
             return summary + "; build up to date"
-        for step in (build, plan.step("bundles")):
-            if step.skipped:
-                log(f"{step.name}: skipped ({step.skipped})")
-                continue
+        for step in todo:
             progress.status(host.name, step.name)
             log(f"{step.name}: $ {' '.join(step.argv)}")
             try:
@@ -107,10 +115,36 @@ def _deploy_on(t: Transport, host: Host, repo_root: Path, opts: Options, progres
                                   + (f" ({r.signal})" if r.signal else "") + f": {r.tail(3)}",
                                   host=host.name, step=step.name,
                                   hint="the full output is above; run `invoke build` locally to reproduce")
-        write_remote_json(t, stamp_path, {"source_digest": digest, "build_argv": build.argv,
+        write_remote_json(t, stamp_path, {"build_digest": digests["build"], "bundles_digest": digests["bundles"],
+                                          "toolchain": probe["toolchain"], "build_argv": build.argv,
                                           "git": provenance.git_info(repo_root),
                                           "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
-        return summary + f"; built {lay.lib}"
+        return summary + "; " + " and ".join("built " + lay.lib if s is build else "regenerated the bundles"
+                                             for s in todo)
+
+
+_PROBE_SEP = "--kdt-deploy-probe--"
+
+
+def _deploy_probe(t: Transport, host: Host, lay: Layout, stamp_path: str) -> dict:
+    """One round trip: the last deploy's stamp, whether the library and bundles exist, and the
+    compiler versions the build would use (g++, and nvcc for a GPU arch)."""
+    q = shlex.quote
+    compilers = "g++ --version 2>/dev/null | head -n 1"
+    if host.cuda_arch != "cpu":
+        compilers += "; nvcc --version 2>/dev/null | tail -n 2"
+    r = t.run(f"cat {q(stamp_path)} 2>/dev/null; echo {_PROBE_SEP}; test -f {q(lay.lib)} && echo lib; "
+              f"test -d {q(lay.bundles)} && echo bundles; echo {_PROBE_SEP}; {compilers}",
+              timeout=host.timeouts.connect)
+    parts = r.stdout.split(_PROBE_SEP + "\n")
+    if not r.ok or len(parts) != 3:
+        raise TransferError(f"probing {lay.build}: {r.tail()}", host=host.name, step="deploy")
+    try:
+        stamp = json.loads(parts[0]) if parts[0].strip() else None
+    except ValueError:
+        stamp = None  # a torn or hand-edited stamp: rebuild
+    return {"stamp": stamp, "lib": "lib" in parts[1].split(), "bundles": "bundles" in parts[1].split(),
+            "toolchain": parts[2].strip()}
 
 
 def deploy(host: Host, repo_root: Path, opts: Options, progress: Progress) -> Outcome:

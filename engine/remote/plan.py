@@ -10,8 +10,9 @@ The remote folder (ARCHITECTURE.md), for remote_dir R and the host's cuda_arch A
     R/src/                     the synced tree          R/build/A/libkdtree.so, bundles/
     R/cache/                   generated inputs (weights), reused across runs (KDTREE_CACHE)
     R/runs/<run-id>/           one run's files          R/.lock
-    R/build/A/deploy.json      the source digest of the last good build (a no-change deploy
-                               skips the build)
+    R/build/A/deploy.json      the digests of the last good build (cuda/, its command line and
+                               the compiler's version) and bundles (engine/reference, engine/kdtr):
+                               a deploy skips each step whose inputs did not change
 
 Run id: `<UTC yyyymmddThhmmssZ>-<git short sha (7)>[-dirty]-<kind>`, kind = test | bench.
 """
@@ -136,11 +137,21 @@ def make_run_id(git: dict, kind: str, now: dt.datetime | None = None) -> str:
     return f"{now:%Y%m%dT%H%M%SZ}-{sha}{'-dirty' if git.get('dirty') else ''}-{kind}"
 
 
-def source_digest(repo_root: Path, files: list[str], build_argv: list[str]) -> str:
-    """sha256 over every synced file's path and bytes plus the build line: equal digests mean
-    the last good build on the host is still current."""
-    h = hashlib.sha256(json.dumps(build_argv).encode())
+# What each deploy step reads: a change anywhere else (docs/, results, tests, the orchestration
+# itself) never rebuilds. The build also depends on its command line and the compiler version.
+BUILD_INPUTS = ("cuda/",)
+BUNDLE_INPUTS = ("engine/reference/", "engine/kdtr/")
+
+
+def source_digest(repo_root: Path, files: list[str], build_argv: list[str],
+                  prefixes: tuple[str, ...] | None = None, toolchain: str = "") -> str:
+    """sha256 over the path and bytes of each synced file under `prefixes` (all files when None),
+    the step's command line and the toolchain's version text: equal digests mean the last good
+    output of that step on the host is still current."""
+    h = hashlib.sha256(json.dumps(build_argv).encode() + b"\0" + toolchain.encode() + b"\0")
     for rel in sorted(files):
+        if prefixes is not None and not rel.startswith(prefixes):
+            continue
         p = repo_root / rel
         h.update(rel.encode() + b"\0")
         if p.is_file():
