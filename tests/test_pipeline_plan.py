@@ -170,3 +170,15 @@ def test_build_digest_covers_only_what_the_build_reads(tmp_path):
     assert source_digest(tmp_path, files, ["gen"], BUNDLE_INPUTS) != k1
     (tmp_path / "cuda/src/a.cpp").write_text("two")
     assert source_digest(tmp_path, files, argv, BUILD_INPUTS, "g++ 13.2") != b1
+
+
+def test_cpu_host_gets_the_quick_profile_and_flags_override(repo):
+    cpu, gpu = host(cuda_arch="cpu"), host()
+    for h, opts, quick in ((cpu, Options(), True), (cpu, Options(full=True), False),
+                           (gpu, Options(), False), (gpu, Options(quick=True), True)):
+        lay = Layout(RD, h.cuda_arch)
+        b = plan_run("bench", h, lay, "R", repo, opts).step("bench")
+        assert ("--quick" in b.argv) is quick, (h.cuda_arch, opts, b.argv)
+        t = plan_run("test", h, lay, "R", repo, opts).step("pytest-native")
+        assert (t.argv[4] == "native and not slow") is quick, t.argv
+        assert (f"{RD}/src/tests" in t.argv) is not quick, t.argv

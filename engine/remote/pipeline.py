@@ -220,7 +220,8 @@ def _run(kind: str, host: Host, repo_root: Path, opts: Options, progress: Progre
         cls = StepTimeout if timed_out else TestsFailed  # a step past its timeout is exit 3, like any
         err = cls(f"{run_id}: {', '.join(failed)} failed: {manifest.get('summary')}",
                   host=host.name, step=kind,
-                  hint=(f"raise timeouts.{kind} in the host file; " if timed_out else "")
+                  hint=(f"give it longer with --timeout {kind}=SECONDS, or set timeouts.{kind} in "
+                        f"hosts/{host.name}.local.yaml (git-ignored); " if timed_out else "")
                   + f"logs in {lay.run(run_id)}/logs; `invoke fetch-results --run {run_id}` brings them home")
     return Outcome(host.name, kind, summary, err, [run_id],
                    {"deploy": deployed, "status": manifest.get("status")})

@@ -242,7 +242,8 @@ class Transport(ABC):
 
     def _timeout_error(self, command: str, timeout: float) -> StepTimeout:
         return StepTimeout(f"`{_short(command)}` ran past its {timeout:g} s timeout; its process group was killed",
-                           host=self.host.name, hint="if the step needs longer, raise timeouts.<step> in the host file")
+                           host=self.host.name, hint="if the step needs longer: --timeout STEP=SECONDS for this run, or "
+                           f"timeouts.STEP in hosts/{self.host.name}.local.yaml (git-ignored)")
 
 
 def _short(command: str, n: int = 120) -> str:
