@@ -147,10 +147,11 @@ def _remote(name: str, host: str | None, as_json: bool, **flags) -> None:
     flags["accept_new_host_key"] = flags.get("accept_new_host_key", False) or chain.accept_new_host_key
     timeouts = parse_timeouts(flags.pop("timeout", None))
     hosts = apply_overrides(resolve_hosts(host, HOSTS_DIR), HOSTS_DIR, timeouts)
-    opts = Options(as_json=as_json, **flags)
+    opts = Options(as_json=as_json, interrupt=pipeline.Interrupt(), **flags)
     fn = getattr(results, name) if name == "fetch_results" else getattr(pipeline, name)
     with Progress([h.name for h in hosts], live=False if as_json else None) as progress:
-        outcomes = pipeline.run_hosts(fn, hosts, REPO, opts, progress)
+        outcomes = _interruptible(lambda: pipeline.run_hosts(fn, hosts, REPO, opts, progress), opts.interrupt,
+                                  progress)
     task_name = name.replace("_", "-")
     for o in outcomes:
         if o.error is None:
@@ -163,6 +164,46 @@ def _remote(name: str, host: str | None, as_json: bool, **flags) -> None:
     code = pipeline.worst_exit(outcomes)
     if code:
         raise Exit(code=code)
+
+
+def _interruptible(work, interrupt, progress):
+    """Run `work` in a thread; Ctrl-C here asks once, on a terminal, "stop the remote run? [y/N]"
+    (y: stop it, N: leave it running and stop waiting; without a terminal: stop). The hosts'
+    threads then stop their remote steps' process groups (engine/remote/pipeline.py _follow)."""
+    import signal
+    import threading
+    box: dict = {}
+    done = threading.Event()  # not Thread.join: a KeyboardInterrupt inside join() can leave
+                              # is_alive() False while the thread still runs (CPython gh-90882)
+
+    def target():
+        try:
+            box["out"] = work()
+        except BaseException as e:  # re-raised in this thread
+            box["err"] = e
+        finally:
+            done.set()
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started with SIGINT ignored
+    threading.Thread(target=target, name="kdt-pipeline", daemon=True).start()
+    asked = False
+    while not done.is_set():
+        try:
+            done.wait(0.2)
+        except KeyboardInterrupt:
+            if asked:
+                print("interrupt: already handling Ctrl-C; waiting for the host(s) to stop", file=sys.stderr)
+                continue
+            asked = True
+            if sys.stdin.isatty() and sys.stderr.isatty():
+                answer = progress.ask("\nstop the remote run? [y/N] ").lower()
+                (interrupt.stop if answer in ("y", "yes") else interrupt.detach).set()
+            else:
+                interrupt.stop.set()
+    if "err" in box:
+        raise box["err"]
+    return box["out"]
 
 
 LOCK_HELP = {"lock_wait": "seconds to wait for <remote_dir>/.lock held by someone else (600)",

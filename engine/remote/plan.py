@@ -59,6 +59,7 @@ class Options:
     allow_dirty: bool = False
     lock_wait_s: float = 600.0
     url: str | None = None        # bench: the service suite measures this server (python -m bench --url)
+    interrupt: object = field(default=None, compare=False, repr=False)  # pipeline.Interrupt (Ctrl-C)
 
 
 @dataclass(frozen=True)

@@ -183,7 +183,7 @@ class SshTransport(Transport):
         return argv, h.ssh_config_alias or h.hostname
 
     # -- commands -----------------------------------------------------------------------------
-    def run(self, argv_or_script, *, cwd=None, env=None, timeout=None, stdin=None, on_output=None):
+    def run(self, argv_or_script, *, cwd=None, env=None, timeout=None, stdin=None, on_output=None, cancel=None):
         command = command_text(argv_or_script)
         script = _wrap(command, cwd=self.abspath(cwd) if cwd else None, env=self._env(env), pgid_marker=True)
         start = time.monotonic()
@@ -220,6 +220,10 @@ class SshTransport(Transport):
                 self._kill_remote_group(err.marker_value)
                 chan.close()
                 raise self._timeout_error(command, timeout)
+            if cancel is not None and cancel.is_set():  # Ctrl-C on the client
+                self._kill_remote_group(err.marker_value)
+                chan.close()
+                raise self._cancelled(command)
             if not self._transport().is_active():
                 raise HostUnreachable(f"connection lost while running `{command[:80]}`", host=self.host.name)
             if not chan.eof_received:
