@@ -369,8 +369,9 @@ def doctor(host: Host, repo_root: Path, opts: Options, progress: Progress) -> Ou
     from .doctor import check_host
     log = progress.logger(host.name)
     if opts.dry_run:
-        log(f"plan: doctor on {host.name} ({host.address}): connect, then probe python, numpy, "
-            f"g++, nvcc, cmake, rsync, tar, nvidia-smi and free disk in {host.remote_dir}")
+        log(f"plan: doctor on {host.name} ({host.address}): connect, then probe python and its modules "
+            f"(numpy, torch, safetensors, yaml, aiohttp, pytest), g++, nvcc, cmake, rsync, tar, nvidia-smi "
+            f"and free disk in {host.remote_dir}")
         return Outcome(host.name, "doctor", "dry run: nothing changed")
     with open_transport(host, accept_new_host_key=opts.accept_new_host_key) as t:
         checks = check_host(t, host)
