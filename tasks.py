@@ -4,11 +4,13 @@
     invoke bench --host ct200,h200 --quick --detach
     invoke fetch-results --host ct200 --run latest
 
-Every remote task takes --host (a name in hosts/, a YAML path, or a comma list; default local),
---dry-run (print the plan, change nothing), --json (a machine-readable summary on stdout) and
---accept-new-host-key. Exit codes: 0 ok, 1 tests failed, 2 regression, 3 host/SSH/transfer,
-4 build failed, 5 bad usage or configuration, 70 an internal error (traceback in
-.kdtree/debug.log). Errors are one line per host on stderr.
+deploy, test-remote, bench, fetch-results and doctor take --host (a name in hosts/, a YAML path,
+or a comma list; default local), --dry-run (print the plan, change nothing), --json (a
+machine-readable summary on stdout, errors included) and --accept-new-host-key; serve takes
+--host and --accept-new-host-key. Exit codes: 0 ok, 1 tests failed, 2 regression,
+3 host/SSH/transfer, 4 build failed, 5 bad usage or configuration (Invoke's own usage errors
+too), 70 an internal error (traceback in .kdtree/debug.log), 130 interrupted (Ctrl-C stopped
+the remote run). Errors are one line per host on stderr.
 """
 
 from __future__ import annotations

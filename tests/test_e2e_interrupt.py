@@ -102,3 +102,53 @@ def test_ctrl_c_stops_the_remote_run_and_exits_130(clone, tmp_path):
     assert manifest["state"] == "interrupted" and manifest["ok"] is False, manifest["summary"]
     assert manifest["status"]["bench"]["status"] == "interrupted"
     assert manifest["summary"].startswith("INTERRUPTED")
+
+
+def test_ctrl_c_on_a_terminal_asks_and_n_leaves_the_run_going(clone, tmp_path):
+    """On a terminal Ctrl-C asks "stop the remote run? [y/N]"; N leaves the run going (it
+    finishes ok and releases the lock by itself) and the command says how to follow and fetch it."""
+    import pty
+    import select
+
+    remote = tmp_path / "remote"
+    host = _host(tmp_path, 10)
+    env = {**os.environ, **GIT_ENV, "TERM": "dumb", "COLUMNS": "200"}
+    env.pop("KDTREE_LIB", None)
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: invoke on the pty's terminal
+        os.chdir(clone)
+        os.execve(sys.executable, [sys.executable, "-m", "invoke", "bench", "--host", str(host), "--no-build",
+                                   "--suite", "selftest"], env)
+    buf = b""
+
+    def read_until(pattern: bytes, seconds: float) -> bool:
+        nonlocal buf
+        end = time.monotonic() + seconds
+        while time.monotonic() < end and pattern not in buf:
+            if select.select([fd], [], [], 0.2)[0]:
+                try:
+                    buf += os.read(fd, 65536)
+                except OSError:
+                    return pattern in buf
+        return pattern in buf
+
+    try:
+        assert read_until(b"runner: step bench (1/1) started", 120), buf.decode(errors="replace")
+        os.write(fd, b"\x03")  # Ctrl-C from the terminal
+        assert read_until(b"stop the remote run? [y/N]", 30), buf.decode(errors="replace")
+        os.write(fd, b"n\n")
+        read_until(b"fetch-results", 60)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        os.close(fd)
+    text = buf.decode(errors="replace")
+    assert os.waitstatus_to_exitcode(status) == 0, text
+    assert "left " in text and "tail -f" in text and "invoke fetch-results --host lh --run" in text, text
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not list((remote / "runs").glob("*-bench/manifest.json")):
+        time.sleep(0.2)
+    (m,) = (remote / "runs").glob("*-bench/manifest.json")
+    manifest = json.loads(m.read_text())
+    assert manifest["ok"] and manifest["state"] == "complete", manifest["summary"]
+    time.sleep(1.0)
+    assert not (remote / ".lock").exists()
