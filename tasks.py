@@ -91,7 +91,7 @@ def _usage_errors_exit_5() -> None:
     def parse_argv(self, argv):
         try:
             result = original(self, argv)
-        except ParseError as e:
+        except (ParseError, ValueError) as e:  # ValueError: a flag's value failed its cast (int)
             line = f"error: usage: {e} (see `invoke --list` and `invoke <task> --help`)"
             _json_error("usage", None, line, 5)
             raise Exit(message=line, code=5) from None

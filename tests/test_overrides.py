@@ -85,7 +85,8 @@ def test_bad_suite_in_a_chain_exits_5_before_anything_touches_the_host(tmp_path,
 
 
 @pytest.mark.parametrize("args", [("nosuchtask",), ("bench", "--nosuchflag"), ("bench", "--quick", "--full"),
-                                  ("fetch-results", "--run", "bogus"), ("bench", "--timeout", "bench=x")])
+                                  ("fetch-results", "--run", "bogus"), ("bench", "--timeout", "bench=x"),
+                                  ("deploy", "--lock-wait", "abc"), ("bench", "--suite")])
 def test_usage_errors_exit_5_with_one_line(tmp_path, host_file, args):
     r = _invoke(tmp_path, *args, "--host", str(host_file))
     assert r.returncode == 5, (r.returncode, r.stderr)
