@@ -4,11 +4,13 @@
     invoke bench --host ct200,h200 --quick --detach
     invoke fetch-results --host ct200 --run latest
 
-Every remote task takes --host (a name in hosts/, a YAML path, or a comma list; default local),
---dry-run (print the plan, change nothing), --json (a machine-readable summary on stdout) and
---accept-new-host-key. Exit codes: 0 ok, 1 tests failed, 2 regression, 3 host/SSH/transfer,
-4 build failed, 5 bad usage or configuration, 70 an internal error (traceback in
-.kdtree/debug.log). Errors are one line per host on stderr.
+deploy, test-remote, bench, fetch-results and doctor take --host (a name in hosts/, a YAML path,
+or a comma list; default local), --dry-run (print the plan, change nothing), --json (a
+machine-readable summary on stdout, errors included) and --accept-new-host-key; serve takes
+--host and --accept-new-host-key. Exit codes: 0 ok, 1 tests failed, 2 regression,
+3 host/SSH/transfer, 4 build failed, 5 bad usage or configuration (Invoke's own usage errors
+too), 70 an internal error (traceback in .kdtree/debug.log), 130 interrupted (Ctrl-C stopped
+the remote run). Errors are one line per host on stderr.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ def _guarded(fn):
         except Exit:
             raise
         except KdtError as e:
+            _json_error(fn.__name__, kwargs, str(e), e.exit_code)
             _fail(str(e), e.exit_code)
         except Exception as e:
             log = REPO / ".kdtree" / "debug.log"
@@ -58,8 +61,75 @@ def _guarded(fn):
             with open(log, "a") as f:
                 f.write(f"--- {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {fn.__name__}\n")
                 f.write(traceback.format_exc())
-            _fail(f"error: internal: {type(e).__name__}: {e} (traceback in {log})", INTERNAL_ERROR_EXIT)
+            line = f"error: internal: {type(e).__name__}: {e} (traceback in {log})"
+            _json_error(fn.__name__, kwargs, line, INTERNAL_ERROR_EXIT)
+            _fail(line, INTERNAL_ERROR_EXIT)
     return wrapper
+
+
+def _wants_json(kwargs: dict | None = None) -> bool:
+    return bool((kwargs or {}).get("json")) or "--json" in sys.argv[1:]
+
+
+def _json_error(task_name: str, kwargs: dict | None, line: str, code: int) -> None:
+    """With --json, an error before any host reported (a config or usage error) is still JSON on
+    stdout: {"task", "exit_code", "error", "hosts": []}; the line also goes to stderr."""
+    if _wants_json(kwargs):
+        print(jsonlib.dumps({"task": task_name.replace("_", "-"), "exit_code": code, "error": line,
+                             "hosts": []}, indent=2), flush=True)
+
+
+def _usage_errors_exit_5() -> None:
+    """Invoke exits 1 on its own usage errors (an unknown task or flag, a missing value); the
+    contract is 5 (ARCHITECTURE.md). Its parser's ParseError becomes Exit(5) with one line."""
+    from invoke.exceptions import ParseError
+    from invoke.parser import Parser
+    if getattr(Parser.parse_argv, "_kdt_usage", False):
+        return
+    original = Parser.parse_argv
+
+    def parse_argv(self, argv):
+        try:
+            result = original(self, argv)
+        except (ParseError, ValueError) as e:  # ValueError: a flag's value failed its cast (int)
+            line = f"error: usage: {e} (see `invoke --list` and `invoke <task> --help`)"
+            _json_error("usage", None, line, 5)
+            raise Exit(message=line, code=5) from None
+        _check_chain(result)
+        return result
+    parse_argv._kdt_usage = True
+    Parser.parse_argv = parse_argv
+
+
+def _check_chain(contexts) -> None:
+    """Every task's flags of the command line checked before the first task runs, so that in
+    `invoke deploy bench --suite nosuch` nothing touches a host (exit 5)."""
+    from engine.remote.errors import KdtError
+    from engine.remote import overrides
+    for ctx in contexts:
+        if not getattr(ctx, "name", None):
+            continue
+        v = {name: a.value for name, a in ctx.args.items()}
+        try:
+            if ctx.name == "bench":
+                import bench as bench_pkg
+                overrides.validate_bench_suites(v.get("suite"), bench_pkg.SUITES)
+            if ctx.name == "test-remote":
+                overrides.validate_test_suite(v.get("suite"))
+            if ctx.name in ("bench", "test-remote"):
+                overrides.validate_profile(bool(v.get("quick")), bool(v.get("full")))
+            if ctx.name == "fetch-results":
+                overrides.validate_run(v.get("run"))
+            if v.get("timeout"):
+                overrides.parse_timeouts(v["timeout"])
+        except KdtError as e:
+            _json_error(ctx.name, None, str(e), e.exit_code)
+            raise Exit(message=str(e), code=e.exit_code) from None
+
+
+
+
+_usage_errors_exit_5()
 
 
 def _remote(name: str, host: str | None, as_json: bool, **flags) -> None:
@@ -67,6 +137,7 @@ def _remote(name: str, host: str | None, as_json: bool, **flags) -> None:
     from engine.remote import pipeline, results
     from engine.remote.chain import parse_chain
     from engine.remote.inventory import resolve_hosts
+    from engine.remote.overrides import apply_overrides, parse_timeouts
     from engine.remote.plan import Options
     from engine.remote.progress import Progress
 
@@ -76,11 +147,13 @@ def _remote(name: str, host: str | None, as_json: bool, **flags) -> None:
     as_json = as_json or chain.json
     flags["dry_run"] = flags.get("dry_run", False) or chain.dry_run
     flags["accept_new_host_key"] = flags.get("accept_new_host_key", False) or chain.accept_new_host_key
-    hosts = resolve_hosts(host, HOSTS_DIR)
-    opts = Options(as_json=as_json, **flags)
+    timeouts = parse_timeouts(flags.pop("timeout", None))
+    hosts = apply_overrides(resolve_hosts(host, HOSTS_DIR), HOSTS_DIR, timeouts)
+    opts = Options(as_json=as_json, interrupt=pipeline.Interrupt(), **flags)
     fn = getattr(results, name) if name == "fetch_results" else getattr(pipeline, name)
     with Progress([h.name for h in hosts], live=False if as_json else None) as progress:
-        outcomes = pipeline.run_hosts(fn, hosts, REPO, opts, progress)
+        outcomes = _interruptible(lambda: pipeline.run_hosts(fn, hosts, REPO, opts, progress), opts.interrupt,
+                                  progress)
     task_name = name.replace("_", "-")
     for o in outcomes:
         if o.error is None:
@@ -95,42 +168,106 @@ def _remote(name: str, host: str | None, as_json: bool, **flags) -> None:
         raise Exit(code=code)
 
 
-LOCK_HELP = {"lock_wait": "seconds to wait for <remote_dir>/.lock held by someone else (600)"}
+def _interruptible(work, interrupt, progress):
+    """Run `work` in a thread; Ctrl-C here asks once, on a terminal, "stop the remote run? [y/N]"
+    (y: stop it, N: leave it running and stop waiting; without a terminal: stop). The hosts'
+    threads then stop their remote steps' process groups (engine/remote/pipeline.py _follow)."""
+    import signal
+    import threading
+    box: dict = {}
+    done = threading.Event()  # not Thread.join: a KeyboardInterrupt inside join() can leave
+                              # is_alive() False while the thread still runs (CPython gh-90882)
+
+    def target():
+        try:
+            box["out"] = work()
+        except BaseException as e:  # re-raised in this thread
+            box["err"] = e
+        finally:
+            done.set()
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started with SIGINT ignored
+    threading.Thread(target=target, name="kdt-pipeline", daemon=True).start()
+    asked = False
+    while not done.is_set():
+        try:
+            done.wait(0.2)
+        except KeyboardInterrupt:
+            if asked:
+                print("interrupt: already handling Ctrl-C; waiting for the host(s) to stop", file=sys.stderr)
+                continue
+            asked = True
+            if sys.stdin.isatty() and sys.stderr.isatty():
+                answer = progress.ask("\nstop the remote run? [y/N] ").lower()
+                (interrupt.stop if answer in ("y", "yes") else interrupt.detach).set()
+            else:
+                interrupt.stop.set()
+    if "err" in box:
+        raise box["err"]
+    return box["out"]
 
 
-@task(auto_shortflags=False, help=HOST_HELP | LOCK_HELP | {"no_build": "sync only, do not build"})
+LOCK_HELP = {"lock_wait": "seconds to wait for <remote_dir>/.lock held by someone else (600)",
+             "timeout": "STEP=SECONDS for this run only (connect, sync, build, test, bench); repeat or comma-list "
+                        "(e.g. --timeout bench=7200); hosts/<name>.local.yaml keeps such settings for this machine"}
+PROFILE_HELP = {"quick": "the quick profile (the default on a CPU host: cuda_arch cpu)",
+                "full": "the full profile (the default on a GPU host)"}
+
+
+@task(auto_shortflags=False, iterable=["timeout"], help=HOST_HELP | LOCK_HELP | {"no_build": "sync only, do not build"})
 @_guarded
-def deploy(c, host=None, dry_run=False, json=False, accept_new_host_key=False, no_build=False, lock_wait=600):
-    """Sync the source to the host(s) and build libkdtree.so there."""
+def deploy(c, host=None, dry_run=False, json=False, accept_new_host_key=False, no_build=False, lock_wait=600,
+           timeout=None):
+    """Sync the source to the host(s) and build libkdtree.so there (skipped when cuda/ did not change)."""
     _remote("deploy", host, json, dry_run=dry_run, accept_new_host_key=accept_new_host_key, no_build=no_build,
-            lock_wait_s=float(lock_wait))
+            lock_wait_s=_seconds(lock_wait, "--lock-wait"), timeout=timeout)
 
 
-@task(auto_shortflags=False, help=HOST_HELP | LOCK_HELP | {
+def _seconds(value, flag: str) -> float:
+    from engine.remote.errors import UsageError
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        v = -1.0
+    if not v >= 0:
+        raise UsageError(f"{flag} {value!r}: expected a number of seconds >= 0", step="command line")
+    return v
+
+
+@task(auto_shortflags=False, iterable=["timeout"], help=HOST_HELP | LOCK_HELP | PROFILE_HELP | {
     "no_deploy": "run against what is already deployed", "no_build": "deploy syncs only",
-    "suite": "native (default: cuda/run_tests.sh + pytest -m native) or selftest (the pipeline's own check)"})
+    "suite": "native (default: cuda/run_tests.sh + pytest -m native; on a CPU host only the kernel and "
+             "engine tests) or selftest (the pipeline's own check)",
+    "detach": "start the run in its own session on the host, print the run id, return"})
 @_guarded
 def test_remote(c, host=None, dry_run=False, json=False, accept_new_host_key=False, no_deploy=False,
-                no_build=False, suite=None, lock_wait=600):
+                no_build=False, suite=None, lock_wait=600, quick=False, full=False, detach=False, timeout=None):
     """Deploy, then run the native tests and pytest -m native on the host(s); exit 1 on failures."""
-    if suite not in (None, "native", "selftest"):
-        _fail(f"error: test-remote: --suite {suite!r}: expected native or selftest", 5)
+    from engine.remote.overrides import validate_profile, validate_test_suite
+    validate_test_suite(suite)
+    validate_profile(quick, full)
     _remote("test_remote", host, json, dry_run=dry_run, accept_new_host_key=accept_new_host_key,
-            no_deploy=no_deploy, no_build=no_build, suite=suite, lock_wait_s=float(lock_wait))
+            no_deploy=no_deploy, no_build=no_build, suite=suite, lock_wait_s=_seconds(lock_wait, "--lock-wait"),
+            quick=quick, full=full, detach=detach, timeout=timeout)
 
 
-@task(auto_shortflags=False, help=HOST_HELP | LOCK_HELP | {
-    "suite": "comma list for python -m bench (default kernels,tree_build,e2e), or selftest",
-    "quick": "a short run", "detach": "start it in its own session on the host, print the run id, return",
+@task(auto_shortflags=False, iterable=["timeout"], help=HOST_HELP | LOCK_HELP | PROFILE_HELP | {
+    "suite": "comma list for python -m bench (default kernels,tree_build,e2e), all, or selftest",
+    "detach": "start the run in its own session on the host, print the run id, return",
     "no_deploy": "run against what is already deployed", "no_build": "deploy syncs only",
     "url": "service suite: measure the server already running at URL (as seen on the host)"})
 @_guarded
 def bench(c, host=None, dry_run=False, json=False, accept_new_host_key=False, suite=None, quick=False,
-          detach=False, no_deploy=False, no_build=False, lock_wait=600, url=None):
-    """Deploy, then run the benchmarks on the host(s) into a run folder."""
+          full=False, detach=False, no_deploy=False, no_build=False, lock_wait=600, url=None, timeout=None):
+    """Deploy, then run the benchmarks on the host(s) into a run folder (quick grid on a CPU host)."""
+    import bench as bench_pkg
+    from engine.remote.overrides import validate_bench_suites, validate_profile
+    validate_bench_suites(suite, bench_pkg.SUITES)
+    validate_profile(quick, full)
     _remote("bench", host, json, dry_run=dry_run, accept_new_host_key=accept_new_host_key, suite=suite,
-            quick=quick, detach=detach, no_deploy=no_deploy, no_build=no_build, lock_wait_s=float(lock_wait),
-            url=url)
+            quick=quick, full=full, detach=detach, no_deploy=no_deploy, no_build=no_build,
+            lock_wait_s=_seconds(lock_wait, "--lock-wait"), url=url, timeout=timeout)
 
 
 # ---- serving (engine/remote/serve.py; docs/SERVING.md) ---------------------------------------------
@@ -144,8 +281,9 @@ def bench(c, host=None, dry_run=False, json=False, accept_new_host_key=False, su
 def serve(c, host=None, mode="ddtree", budget=63, port=8000, weights=None, accept_new_host_key=False):
     """Start our OpenAI-compatible server on a deployed host, wait for /health, print its URL."""
     from engine.remote.inventory import resolve_hosts
+    from engine.remote.overrides import apply_overrides
     from engine.remote.serve import start_server
-    hosts = resolve_hosts(host, HOSTS_DIR)
+    hosts = apply_overrides(resolve_hosts(host, HOSTS_DIR), HOSTS_DIR)
     if len(hosts) != 1:
         _fail(f"error: serve: --host {host!r}: give exactly one host", 5)
     info = start_server(hosts[0], mode=mode, budget=int(budget), port=int(port), weights=weights,
@@ -167,6 +305,8 @@ def fetch_results(c, host=None, dry_run=False, json=False, accept_new_host_key=F
         cap = 0
     if cap <= 0:
         _fail(f"error: fetch-results: --max-run-bytes {max_run_bytes!r}: expected a positive integer", 5)
+    from engine.remote.overrides import validate_run
+    validate_run(run)
     _remote("fetch_results", host, json, dry_run=dry_run, accept_new_host_key=accept_new_host_key, run=run,
             no_commit=no_commit, allow_dirty=allow_dirty, max_run_bytes=cap)
 
@@ -184,11 +324,12 @@ def hosts(c):
     """List the inventory (hosts/*.yaml) with each host's transport, address, arch and GPUs."""
     from engine.remote.errors import KdtError
     from engine.remote.inventory import load_host
-    files = sorted(HOSTS_DIR.glob("*.yaml"))
+    from engine.remote.overrides import with_overlay
+    files = sorted(p for p in HOSTS_DIR.glob("*.yaml") if not p.name.endswith(".local.yaml"))  # overlays
     bad = 0
     for path in files or [Path("local")]:
         try:
-            h = load_host(str(path) if path.suffix else "local", HOSTS_DIR)
+            h = with_overlay(load_host(str(path) if path.suffix else "local", HOSTS_DIR), HOSTS_DIR)
         except KdtError as e:
             print(str(e), file=sys.stderr)
             bad += 1

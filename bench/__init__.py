@@ -56,6 +56,18 @@ class Context:
     library_error: str | None = None  # why `library` is None
     _ceilings: dict = field(default_factory=dict, repr=False)
     _ceilings_used: set = field(default_factory=set, repr=False)
+    _suite: str = field(default="", repr=False)       # "kernels (1/3)": set by run_suites
+    _suite_t0: float = field(default=0.0, repr=False)
+    progress_stream: object = field(default=None, repr=False)  # None: sys.stderr
+
+    def progress(self, done: int, total: int, what: str = "") -> None:
+        """One line after each finished case: `progress: <suite> (i/n) case done/total <what>,
+        E s elapsed, ~L s left`. The host-side runner passes these on to the client's terminal
+        as they happen (engine/remote/runner.py); the estimate is the suite's mean case time."""
+        elapsed = time.monotonic() - self._suite_t0 if self._suite_t0 else 0.0
+        left = f", ~{elapsed / done * (total - done):.0f} s left" if 0 < done <= total else ""
+        print(f"progress: {self._suite or 'bench'} case {done}/{total}{' ' + what if what else ''}, "
+              f"{elapsed:.0f} s elapsed{left}", file=self.progress_stream or sys.stderr, flush=True)
 
     def ceilings(self, device: str) -> dict:
         """The device's measured ceilings (bench.ceilings.measure), measured once per run."""
@@ -192,7 +204,8 @@ def run_suites(names, ctx: Context, log=sys.stderr) -> list:
     provenance = _provenance(ctx)
     build = _build_block(ctx)
     outcomes = []
-    for name in names:
+    for k, name in enumerate(names, 1):
+        ctx._suite, ctx._suite_t0 = f"{name} ({k}/{len(names)})", time.monotonic()
         print(f"bench: {name}: running (devices {','.join(ctx.devices)}"
               f"{', quick' if ctx.quick else ''})", file=log, flush=True)
         started, t0 = utc_now(), time.monotonic()

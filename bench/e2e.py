@@ -167,6 +167,8 @@ def run(ctx) -> dict:
         peng = Engine(weights, device=device, max_slots=max(g["batches"]), max_seq=max_seq,
                       profile=True)
         prompts = _prompts(n_prompts, eng.vocab_size)
+        n_cases = len(g["batches"]) * (1 + len(g["budgets"]) * (len(g["qualities"]) + len(drafter_dirs)))
+        done = 0
         for bs in g["batches"]:
             batches = _batches(prompts, bs)
             samples, ar = _run_case(eng, batches, new_tokens, "ar", 0, None, g["reps"])
@@ -191,6 +193,8 @@ def run(ctx) -> dict:
                 for name, dr in blocks.items():
                     cases.append(("ddtree", budget, name, dr))
             for mode, budget, drafter_name, dr in cases:
+                ctx.progress(done, n_cases, f"{device} bs={bs}: next {mode} B={budget} {drafter_name}")
+                done += 1
                 if mode == "ar":
                     s, out = samples, ar
                     valid = {"ok": ok, "check": "AR tokens == the first device's AR tokens"}

@@ -251,6 +251,10 @@ def run(ctx) -> dict:
         ceil = ctx.ceilings(device)
         tree_timer = _timer(device, ctx.quick, flush_l2=False)
         att_timer = _timer(device, ctx.quick, flush_l2=True, warmup=0)
+        ga = g["attention"]
+        n_cases = (len(g["tree"]["bs"]) * len(g["tree"]["budget"])
+                   + len(ga["dtype"]) * len(ga["bs"]) * len(ga["prefix"]) * len(ga["tree"]))
+        done = 0
         for bs in g["tree"]["bs"]:
             for budget in g["tree"]["budget"]:
                 seed = int(root.spawn(1)[0].generate_state(1)[0])
@@ -258,7 +262,8 @@ def run(ctx) -> dict:
                 results += _guarded(lambda: _tree_and_accept(lib, device, bs, budget, rng, seed,
                                                              tree_timer),
                                     "tree_build", device, {"bs": bs, "budget": budget}, seed)
-        ga = g["attention"]
+                done += 1
+                ctx.progress(done, n_cases, f"{device} tree bs={bs} budget={budget}")
         for dtype in ga["dtype"]:
             for bs in ga["bs"]:
                 for prefix in ga["prefix"]:
@@ -266,6 +271,8 @@ def run(ctx) -> dict:
                         case = {"bs": bs, "prefix": prefix, "tree": tree, "dtype": dtype}
                         seed = int(root.spawn(1)[0].generate_state(1)[0])
                         why = _fits(device, bs, prefix, tree, dtype)
+                        done += 1
+                        ctx.progress(done, n_cases, f"{device} attention {dtype} bs={bs} prefix={prefix} tree={tree}")
                         if why:
                             params.setdefault("skipped", []).append(dict(case, backend=device, why=why))
                             continue

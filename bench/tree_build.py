@@ -198,10 +198,13 @@ def run(ctx) -> dict:
     if "cuda" in ctx.devices and "cuda" not in devices:
         params["note"] = f"{lib.path} is a CPU-only build: no native-cuda backend timed"
     results = []
+    done, n_cases = 0, len(g["bs"]) * len(g["budget"])
     for bs in g["bs"]:
         for budget in g["budget"]:
             seed = int(root.spawn(1)[0].generate_state(1)[0])
             results += _case(lib, devices, bs, budget, seed, ctx.quick)
+            done += 1
+            ctx.progress(done, n_cases, f"bs={bs} budget={budget}")
     return {"params": params, "results": results, "table": table(results)}
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 
 import pytest
 import yaml
@@ -25,7 +26,8 @@ def test_bench_all_cpu_suites_then_fetch_keeps_the_run_folder_small(tmp_path):
     remote = tmp_path / "remote"
     host = tmp_path / "hosts" / "lhost.yaml"
     host.parent.mkdir()
-    host.write_text(yaml.safe_dump({"transport": "local", "remote_dir": str(remote), "cuda_arch": "cpu"}))
+    host.write_text(yaml.safe_dump({"transport": "local", "remote_dir": str(remote), "cuda_arch": "cpu",
+                                         "python": sys.executable}))
     inv = Invoke(clone)
     r = inv("bench", "--host", str(host), "--suite", "kernels,tree_build,e2e,service", "--quick",
             "--json", timeout=900)

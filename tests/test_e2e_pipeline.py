@@ -88,6 +88,20 @@ def test_four_tasks_in_sequence_build_and_commit(loopback_sshd, clone, hosts_dir
     assert manifest["build"]["arch"] == "cpu" and manifest["build"]["commands"], manifest["build"]
     assert not git(clone, "status", "--porcelain").strip()
 
+    # the results commit changes nothing a host reads: the next deploy sends nothing, builds nothing
+    t0 = time.monotonic()
+    r = inv("deploy", "--host", h)
+    seconds = time.monotonic() - t0
+    assert r.returncode == 0, explain(r)
+    assert re.search(r"0 sent, \d+ unchanged, 0 deleted", r.stdout) and "build up to date" in r.stdout, explain(r)
+    print(f"deploy right after a fetch-results commit: {seconds:.2f} s (invoke start-up included)")
+    # a docs-only change is sent but rebuilds nothing
+    (clone / "docs/PIPELINE.md").write_text((clone / "docs/PIPELINE.md").read_text() + "\n")
+    git(clone, "commit", "-qam", "docs: a blank line")
+    r = inv("deploy", "--host", h)
+    assert r.returncode == 0 and "1 sent" in r.stdout and "build up to date" in r.stdout, explain(r)
+    git(clone, "reset", "-q", "--hard", "HEAD^")
+
     r = inv("fetch-results", "--host", h)  # nothing new: no commit
     assert r.returncode == 0 and "0 fetched" in r.stdout, explain(r)
     assert git(clone, "rev-parse", "HEAD^").strip() == head_before

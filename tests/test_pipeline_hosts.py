@@ -69,8 +69,14 @@ tool rsync no
 tool tar yes
 tool nvidia-smi yes
 python 3.11.7
-numpy 2.1.0
-pytest 8.3.0
+module numpy ok 2.1.0
+module torch ok 2.5.1 (cuda 12.4, GPU visible)
+module safetensors ok 0.4.5
+module yaml ok 6.0.2
+module aiohttp ok 3.10.0
+module pytest ok 8.3.0
+version g++ g++ (Ubuntu 13.2.0) 13.2.0
+version nvcc Build cuda_12.4.r12.4/compiler.0
 gpu NVIDIA RTX PRO 6000 Blackwell Server Edition, 12.0, 97887
 gpu NVIDIA RTX PRO 6000 Blackwell Server Edition, 12.0, 97887
 writable yes
@@ -93,15 +99,43 @@ def test_doctor_a_matching_gpu_host():
 
 def test_doctor_mismatches_fail_with_reasons():
     h = host("h200", cuda_arch="sm_90", gpus={"count": 4, "model": "H200"})
-    probe = PROBE_OK.replace("numpy 2.1.0", "numpy ModuleNotFoundError: No module named 'numpy'").replace(
-        "df 52428800", "df 1000").replace("tool nvcc yes", "tool nvcc no").replace("pytest 8.3.0", "pytest ModuleNotFoundError")
+    probe = PROBE_OK.replace("module numpy ok 2.1.0", "module numpy missing ModuleNotFoundError: No module named 'numpy'").replace(
+        "df 52428800", "df 1000").replace("tool nvcc yes", "tool nvcc no").replace(
+        "module torch ok 2.5.1 (cuda 12.4, GPU visible)", "module torch missing ModuleNotFoundError: No module named 'torch'")
     c = checks_by_name(doctor.evaluate(doctor.parse_probe(probe), h))
     failed = {k for k, v in c.items() if v["status"] == "FAIL"}
-    assert failed == {"numpy", "nvcc", "gpus", "cuda_arch", "disk"}, c
-    assert c["pytest"]["status"] == "warn" and "pytest step will fail" in c["pytest"]["detail"]
+    assert failed == {"numpy", "torch", "nvcc", "gpus", "cuda_arch", "disk"}, c
+    assert "No module named 'torch'" in c["torch"]["detail"] and "bench" in c["torch"]["detail"]
     assert "No module named" in c["numpy"]["detail"] and "sm_90 needs it" in c["nvcc"]["detail"]
     assert "found 2" in c["gpus"]["detail"] and "expects 4 x H200" in c["gpus"]["detail"]
     assert "builds for 9.0, the GPUs are 12.0" == c["cuda_arch"]["detail"].split(" ", 1)[1]
+    assert c["pytest"]["detail"] == "8.3.0" and c["g++"]["detail"].endswith("13.2.0")
+
+
+def test_doctor_gpu_arch_without_gpus_entry_needs_nvidia_smi():
+    h = host("g", cuda_arch="sm_90")
+    probe = PROBE_OK.replace("tool nvidia-smi yes", "tool nvidia-smi no")
+    c = checks_by_name(doctor.evaluate(doctor.parse_probe(probe), h))
+    assert c["nvidia-smi"]["status"] == "FAIL" and "sm_90" in c["nvidia-smi"]["detail"]
+
+
+def test_doctor_fails_when_the_hosts_python_lacks_torch(tmp_path):
+    """A host whose python cannot import torch (a blocker module first on its PYTHONPATH): doctor
+    exits 5 naming torch, instead of reporting ok and letting the deploy fail."""
+    import subprocess
+    import sys
+    blocker = tmp_path / "blocker"
+    blocker.mkdir()
+    (blocker / "torch.py").write_text("raise ImportError('torch is not installed for this python')\n")
+    hf = tmp_path / "nt.yaml"
+    hf.write_text(f"transport: local\nremote_dir: {tmp_path / 'rd'}\ncuda_arch: cpu\npython: {sys.executable}\n"
+                  f"env: {{PYTHONPATH: {blocker}}}\n")
+    repo = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "invoke", "doctor", "--host", str(hf)], cwd=repo,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 5, (r.returncode, r.stdout, r.stderr)
+    assert "FAIL  torch: cannot import torch" in r.stderr and "numpy" not in r.stderr.split("error:")[-1], r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: nt: doctor: torch: cannot import torch"), r.stderr
 
 
 def test_doctor_on_this_machine_local_transport(tmp_path):

@@ -147,3 +147,38 @@ def test_python_env_is_public_and_shared_with_serve(repo):
     imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "plan"
                 for a in n.names]
     assert "python_env" in imported and not [n for n in imported if n.startswith("_")], imported
+
+
+def test_build_digest_covers_only_what_the_build_reads(tmp_path):
+    """docs/, results, tests and the orchestration never change the build's digest; cuda/, the
+    build line and the compiler version do."""
+    from engine.remote.plan import BUILD_INPUTS, BUNDLE_INPUTS
+    files = ["cuda/src/a.cpp", "docs/X.md", "engine/remote/p.py", "engine/kdtr/c.py"]
+    for rel in files:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("one")
+    argv = ["bash", "build.sh"]
+    b1 = source_digest(tmp_path, files, argv, BUILD_INPUTS, "g++ 13.2")
+    k1 = source_digest(tmp_path, files, ["gen"], BUNDLE_INPUTS)
+    (tmp_path / "docs/X.md").write_text("two")
+    (tmp_path / "engine/remote/p.py").write_text("two")
+    assert source_digest(tmp_path, files + ["docs/BENCHMARKS_x.md"], argv, BUILD_INPUTS, "g++ 13.2") == b1
+    assert source_digest(tmp_path, files, ["gen"], BUNDLE_INPUTS) == k1
+    assert source_digest(tmp_path, files, argv, BUILD_INPUTS, "g++ 14.1") != b1
+    (tmp_path / "engine/kdtr/c.py").write_text("two")
+    assert source_digest(tmp_path, files, argv, BUILD_INPUTS, "g++ 13.2") == b1
+    assert source_digest(tmp_path, files, ["gen"], BUNDLE_INPUTS) != k1
+    (tmp_path / "cuda/src/a.cpp").write_text("two")
+    assert source_digest(tmp_path, files, argv, BUILD_INPUTS, "g++ 13.2") != b1
+
+
+def test_cpu_host_gets_the_quick_profile_and_flags_override(repo):
+    cpu, gpu = host(cuda_arch="cpu"), host()
+    for h, opts, quick in ((cpu, Options(), True), (cpu, Options(full=True), False),
+                           (gpu, Options(), False), (gpu, Options(quick=True), True)):
+        lay = Layout(RD, h.cuda_arch)
+        b = plan_run("bench", h, lay, "R", repo, opts).step("bench")
+        assert ("--quick" in b.argv) is quick, (h.cuda_arch, opts, b.argv)
+        t = plan_run("test", h, lay, "R", repo, opts).step("pytest-native")
+        assert (t.argv[4] == "native and not slow") is quick, t.argv
+        assert (f"{RD}/src/tests" in t.argv) is not quick, t.argv

@@ -128,3 +128,48 @@ def test_selftest_suite(tmp_path, fail):
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     doc = json.loads((tmp_path / "b/selftest.json").read_text())
     assert r.returncode == 0 and len(doc["results"][0]["samples"]) == 5
+
+
+def test_step_output_and_progress_reach_the_runners_stdout_as_they_come(tmp_path, monkeypatch):
+    """The runner passes each step's new log lines on to its own stdout while the step runs (the
+    client follows that: live progress), with a heartbeat when the step is quiet."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    script = ("import time\n"
+              "print('progress: s (1/1) case 1/2, 0 s elapsed', flush=True)\n"
+              "time.sleep(1.2)\n"
+              "print('progress: s (1/1) case 2/2, 1 s elapsed', flush=True)\n")
+    req = {"schema": 1, "run_id": "RID", "kind": "bench", "host": {"name": "h", "address": "x"},
+           "git": {"sha": "c" * 40}, "steps": [{"name": "b", "argv": [PY, "-c", script], "timeout": 60}]}
+    (run_dir / "request.json").write_text(json.dumps(req))
+    monkeypatch.setattr(runner, "HEARTBEAT_S", 0.5)
+    lines: list[tuple[float, str]] = []
+    t0 = time.monotonic()
+    monkeypatch.setattr(runner, "_say", lambda line: lines.append((time.monotonic() - t0, line)))
+    assert runner.main([str(run_dir)]) == 0
+    text = [l for _, l in lines]
+    first = next(t for t, l in lines if "case 1/2" in l)
+    second = next(t for t, l in lines if "case 2/2" in l)
+    assert second - first > 0.8, lines  # the first line came before the step ended
+    assert text[0] == "runner: step b (1/1) started" and any(l.startswith("runner: step b (1/1) ok") for l in text)
+    assert any(l.startswith("progress: step b (1/1), ") for l in text), text  # the heartbeat
+
+
+def test_a_terminated_runner_marks_the_run_interrupted(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    req = {"schema": 1, "run_id": "RID", "kind": "bench", "host": {"name": "h", "address": "x"},
+           "git": {"sha": "c" * 40}, "steps": [{"name": "b", "argv": ["sleep", "60"], "timeout": 120},
+                                               {"name": "c", "argv": ["true"]}]}
+    (run_dir / "request.json").write_text(json.dumps(req))
+    p = subprocess.Popen([PY, "-m", "engine.remote.runner", str(run_dir)], cwd=REPO, stdout=subprocess.PIPE,
+                         text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
+    for line in p.stdout:
+        if "step b (1/2) started" in line:
+            break
+    time.sleep(0.3)
+    p.terminate()
+    assert p.wait(timeout=60) == 130
+    m = json.loads((run_dir / "manifest.json").read_text())
+    assert m["state"] == "interrupted" and m["ok"] is False and m["interrupted"] == {"signal": "SIGTERM"}
+    assert m["status"]["b"]["status"] == "interrupted" and m["status"]["c"]["status"] == "skipped"

@@ -147,3 +147,24 @@ def test_report_reads_only_complete_runs_and_counts_the_skipped(tmp_path, rng):
     (host / "20260101T000000Z-aaaaaaa-bench" / "manifest.json").unlink()
     with pytest.raises(ValueError, match="no final manifest.json"):
         report.write_report(host, tmp_path / "docs")
+
+
+def test_page_names_partial_runs_and_failed_bench_runs_as_such(tmp_path, rng):
+    """A timed-out or interrupted bench run is not called complete; a failed bench run without
+    suite JSON is named a failed bench run (its summary), not "(a test run?)"."""
+    host = tmp_path / "results" / "h200"
+    _run(host, "20260101T000000Z-aaaaaaa-bench", rng)
+    page = report.write_report(host, tmp_path / "docs").read_text()
+    assert "Every folder there is a complete benchmark run whose steps all finished ok." in page
+    late = _run(host, "20260102T000000Z-bbbbbbb-bench", rng)
+    (late / "manifest.json").write_text(json.dumps({
+        "kind": "bench", "ok": False, "state": "complete",
+        "summary": "bench: bench failed (timed out after 3600 s; its process group was killed)"}))
+    dead = host / "20260103T000000Z-ccccccc-bench"
+    dead.mkdir()
+    (dead / "manifest.json").write_text(json.dumps({"kind": "bench", "ok": False, "state": "interrupted",
+                                                   "summary": "INTERRUPTED (SIGTERM): bench: bench interrupted"}))
+    page = report.write_report(host, tmp_path / "docs").read_text()
+    assert "Every folder" not in page and "a test run" not in page
+    assert "`20260103T000000Z-ccccccc-bench` (a bench run that interrupted with no suite JSON" in page
+    assert "1 run(s) below are partial" in page and "bbbbbbb-bench` (did not finish ok: bench: bench failed (timed out" in page

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import socket
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -22,7 +23,8 @@ def _host(remote_dir: Path):
     from engine.remote.inventory import parse_host
 
     return parse_host("lo", {"transport": "local", "remote_dir": str(remote_dir),
-                             "cuda_arch": "cpu"}, source=None)
+                             "cuda_arch": "cpu",
+                             "python": sys.executable}, source=None)
 
 
 def _free_port() -> int:

@@ -293,3 +293,37 @@ def test_missing_identity_file_is_a_config_error(loopback_sshd, tmp_path):
     with pytest.raises(ConfigError) as err:
         open_transport(host)
     assert "identity_file" in str(err.value) and "no_such_key" in str(err.value) and err.value.exit_code == 5
+
+
+def test_ssh_errors_name_the_host_and_leave_no_stray_banner_traceback(tmp_path, capfd):
+    """An unresolvable name says which name and where it came from; a port that is not SSH says
+    so in one line, without paramiko's "Exception (client)" traceback on stderr."""
+    import socket as _socket
+    import threading as _threading
+
+    from engine.remote.errors import HostUnreachable
+    from engine.remote.inventory import parse_host
+    from engine.remote.ssh import SshTransport
+
+    base = {"transport": "ssh", "remote_dir": "~/kd", "cuda_arch": "cpu", "host_key_policy": "accept-new",
+            "known_hosts": str(tmp_path / "kh"), "timeouts": {"connect": 5}}
+    h = parse_host("nx", {**base, "hostname": "nosuchhost.invalid"}, source=tmp_path / "nx.yaml")
+    with pytest.raises(HostUnreachable, match=r"cannot resolve the host name 'nosuchhost.invalid' \(hostname"):
+        SshTransport(h)
+    srv = _socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+
+    def serve():
+        c, _ = srv.accept()
+        c.sendall(b"HTTP/1.0 200 OK\r\n\r\nnot ssh\n")
+        c.close()
+
+    _threading.Thread(target=serve, daemon=True).start()
+    h = parse_host("web", {**base, "hostname": "127.0.0.1", "port": srv.getsockname()[1]}, source=None)
+    with pytest.raises(HostUnreachable, match="does not speak SSH"):
+        SshTransport(h)
+    srv.close()
+    import time as _time
+    _time.sleep(0.3)  # paramiko's thread logs after the handshake fails
+    assert "Exception" not in capfd.readouterr().err

@@ -4,10 +4,11 @@ check_host(transport, host) -> [{"check", "status": "ok"|"warn"|"FAIL", "detail"
 
 Connecting at all (and the host key) is checked by opening the transport; the rest is probed
 with one shell script, so a slow link costs one round trip. FAIL means a pipeline step will
-fail there (no python/numpy, no g++, nvcc missing for a GPU arch, fewer GPUs than the inventory
-says, an arch the GPUs cannot run, under 1 GiB free); warn means slower or degraded (no rsync:
-tar is used; no cmake: build.sh calls the compilers itself; no pytest: only test-remote's pytest
-step fails).
+fail there (no python, a module of MODULES missing (numpy, torch, safetensors, yaml, aiohttp,
+pytest; their versions are shown), no g++, nvcc or nvidia-smi missing for a GPU arch, fewer GPUs
+than the inventory says, an arch the GPUs cannot run, under 1 GiB free): doctor ok means deploy,
+test-remote and bench can run. warn means slower or degraded (no rsync: tar is used; no cmake:
+build.sh calls the compilers itself).
 """
 
 from __future__ import annotations
@@ -20,13 +21,37 @@ from .transport import Transport
 MIN_FREE_KIB = 1 << 20     # 1 GiB: below it, a build or a run will fail
 WARN_FREE_KIB = 10 << 20   # 10 GiB
 
+# Python modules the pipeline imports on the host, and who needs them (a missing one is FAIL).
+MODULES = {
+    "numpy": "everything (the reference, bundles, benches)",
+    "torch": "bench (tree_build, e2e) and the native engine tests",
+    "safetensors": "deploy's bundles step (python -m engine.kdtr generate) and the weights",
+    "yaml": "the engine's configs and the tests",
+    "aiohttp": "the server and the service suite (and test-remote's serving tests)",
+    "pytest": "test-remote's pytest step",
+}
+
+_MODULES_PY = (
+    "import importlib, sys\n"
+    "for m in sys.argv[1:]:\n"
+    "    try:\n"
+    "        mod = importlib.import_module(m)\n"
+    "        v = getattr(mod, '__version__', '?')\n"
+    "        if m == 'torch':\n"
+    "            v += ' (cuda %s, %s)' % (mod.version.cuda, 'GPU visible' if mod.cuda.is_available() else 'no GPU visible')\n"
+    "        print('module', m, 'ok', v)\n"
+    "    except Exception as e:\n"
+    "        print('module', m, 'missing', ' '.join(('%s: %s' % (type(e).__name__, e)).split()))\n"
+)
+
 _PROBE = r"""
 for p in g++ nvcc cmake rsync tar nvidia-smi; do
   if command -v $p >/dev/null 2>&1; then echo "tool $p yes"; else echo "tool $p no"; fi
 done
 echo "python $({PY} -c 'import sys; print(sys.version.split()[0])' 2>&1 | tail -n 1)"
-echo "numpy $({PY} -c 'import numpy; print(numpy.__version__)' 2>&1 | tail -n 1)"
-echo "pytest $({PY} -c 'import pytest; print(pytest.__version__)' 2>&1 | tail -n 1)"
+{PY} -c {MODULES_PY} {MODULES} 2>&1 | grep '^module ' || echo "module all missing $({PY} -V 2>&1 | tail -n 1)"
+echo "version g++ $(g++ --version 2>/dev/null | head -n 1)"
+echo "version nvcc $(nvcc --version 2>/dev/null | tail -n 1)"
 if command -v nvidia-smi >/dev/null 2>&1; then
   nvidia-smi --query-gpu=name,compute_cap,memory.total --format=csv,noheader,nounits 2>&1 | sed 's/^/gpu /'
 fi
@@ -48,7 +73,14 @@ def parse_probe(text: str) -> dict:
                 facts["gpus"].append({"name": cells[0], "compute_cap": cells[1], "memory_mib": cells[2]})
             else:
                 facts.setdefault("gpu_error", rest)
-        elif key in ("python", "numpy", "pytest", "writable", "df"):
+        elif key == "module":
+            name, _, more = rest.partition(" ")
+            state, _, detail = more.partition(" ")
+            facts.setdefault("modules", {})[name] = {"ok": state == "ok", "detail": detail.strip()}
+        elif key == "version":
+            name, _, text = rest.partition(" ")
+            facts.setdefault("versions", {})[name] = text.strip()
+        elif key in ("python", "writable", "df"):
             facts[key] = rest.strip()
     return facts
 
@@ -63,6 +95,11 @@ def _arch_caps(arch: str) -> list[str]:
     return caps
 
 
+def want_gpus_checked(host: Host) -> bool:
+    """The gpus check (below) already covers nvidia-smi when the inventory expects GPUs."""
+    return host.gpus.count > 0
+
+
 def evaluate(facts: dict, host: Host) -> list[dict]:
     checks = []
 
@@ -71,20 +108,25 @@ def evaluate(facts: dict, host: Host) -> list[dict]:
 
     add("connect", "ok", host.address + (f" (host key verified, policy {host.host_key_policy})"
                                          if host.transport == "ssh" else ""))
-    py, np = facts.get("python", ""), facts.get("numpy", "")
+    py = facts.get("python", "")
     py_ok = py[:1].isdigit()
     add("python", "ok" if py_ok else "FAIL", f"{host.python} {py}" if py_ok else f"{host.python}: {py or 'not found'}")
-    np_ok = np[:1].isdigit()
-    add("numpy", "ok" if np_ok else "FAIL", np if np_ok else f"cannot import numpy: {np or 'no output'}")
-    pt = facts.get("pytest", "")
-    add("pytest", "ok" if pt[:1].isdigit() else "warn", pt if pt[:1].isdigit() else
-        f"cannot import pytest ({pt or 'no output'}): test-remote's pytest step will fail; bench is unaffected")
+    mods = facts.get("modules", {})
+    for name, who in MODULES.items():
+        m = mods.get(name) or mods.get("all") or {"ok": False, "detail": "not probed"}
+        add(name, "ok" if m["ok"] else "FAIL", m["detail"] if m["ok"] else
+            f"cannot import {name} with {host.python} ({m['detail'] or 'no output'}): needed by {who}")
     tools = facts.get("tools", {})
-    add("g++", "ok" if tools.get("g++") else "FAIL", "present" if tools.get("g++") else "missing: the build needs it")
+    versions = facts.get("versions", {})
+    add("g++", "ok" if tools.get("g++") else "FAIL",
+        (versions.get("g++") or "present") if tools.get("g++") else "missing: the build needs it")
     gpu_arch = host.cuda_arch != "cpu"
     add("nvcc", "ok" if tools.get("nvcc") else ("FAIL" if gpu_arch else "ok"),
-        "present" if tools.get("nvcc") else
+        (versions.get("nvcc") or "present") if tools.get("nvcc") else
         (f"missing: cuda_arch {host.cuda_arch} needs it" if gpu_arch else "absent (cuda_arch cpu does not need it)"))
+    if gpu_arch and not want_gpus_checked(host):
+        add("nvidia-smi", "ok" if tools.get("nvidia-smi") else "FAIL",
+            "present" if tools.get("nvidia-smi") else f"missing: cuda_arch {host.cuda_arch} needs a GPU and its driver")
     add("cmake", "ok" if tools.get("cmake") else "warn",
         "present" if tools.get("cmake") else "absent: build.sh calls nvcc/g++ itself")
     if tools.get("rsync"):
@@ -128,6 +170,7 @@ def evaluate(facts: dict, host: Host) -> list[dict]:
 
 
 def check_host(t: Transport, host: Host) -> list[dict]:
-    script = _PROBE.replace("{PY}", shlex.quote(host.python)).replace("{RD}", shlex.quote(t.remote_dir))
+    script = (_PROBE.replace("{PY}", shlex.quote(host.python)).replace("{RD}", shlex.quote(t.remote_dir))
+              .replace("{MODULES_PY}", shlex.quote(_MODULES_PY)).replace("{MODULES}", " ".join(MODULES)))
     r = t.run(script, timeout=max(host.timeouts.connect, 60))
     return evaluate(parse_probe(r.stdout), host)

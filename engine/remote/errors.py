@@ -15,7 +15,8 @@ and prints as ``error: <host>: <step>: <what> (<hint>)`` (unknown segments left 
     ├── LockTimeout                   3      <remote_dir>/.lock stayed held past the wait
     ├── BuildFailed                   4      the build on the host failed
     ├── TestsFailed                   1      native tests or pytest failed (or a JUnit file was missing)
-    └── RegressionFound               2      a benchmark comparison found a significant slowdown
+    ├── RegressionFound               2      a benchmark comparison found a significant slowdown
+    └── Interrupted                 130      Ctrl-C: the remote step was stopped (its run marked interrupted)
 
 Exit code 0 is success; codes follow ARCHITECTURE.md "Exit codes of the tasks".
 """
@@ -93,3 +94,7 @@ class TestsFailed(KdtError):
 
 class RegressionFound(KdtError):
     exit_code = 2
+
+
+class Interrupted(KdtError):
+    exit_code = 130

@@ -22,6 +22,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -203,6 +204,9 @@ class LoopbackSshd:
             "host_key_policy": "strict",
             "remote_dir": remote_dir,
             "cuda_arch": "cpu",
+            # the interpreter running the tests: in a virtual environment the system python3
+            # may lack the packages the pipeline needs on the "host"
+            "python": sys.executable,
             "timeouts": {"connect": 10},
         }
         fields.update(extra)

@@ -29,11 +29,12 @@ from pathlib import Path
 from typing import Callable
 
 from . import provenance
-from .errors import BuildFailed, ConfigError, KdtError, StepTimeout, TestsFailed, TransferError
+from .errors import (BuildFailed, ConfigError, Interrupted, KdtError, StepTimeout, TestsFailed,
+                     TransferError)
 from .inventory import Host
 from .locks import RemoteLock
-from .plan import (Layout, Options, Plan, make_run_id, plan_deploy, plan_run, runner_request,
-                   source_digest)
+from .plan import (BUILD_INPUTS, BUNDLE_INPUTS, Layout, Options, Plan, make_run_id, plan_deploy,
+                   plan_run, runner_request, source_digest)
 from .progress import Progress
 from .connect import open_transport
 from .hostfiles import layout_for, read_remote_json, write_remote_json
@@ -84,22 +85,33 @@ def _deploy_on(t: Transport, host: Host, repo_root: Path, opts: Options, progres
         build = plan.step("build")
         if build.skipped:
             return summary + f"; build skipped ({build.skipped})"
-        digest = source_digest(repo_root, files, build.argv)
+        bundles = plan.step("bundles")
         stamp_path = f"{lay.build}/deploy.json"
-        stamp = read_remote_json(t, stamp_path)
-        lib_ok = t.run(["test", "-f", lay.lib], timeout=host.timeouts.connect).ok
-        if stamp and stamp.get("source_digest") == digest and lib_ok:
-            log(f"build: up to date ({lay.lib}, source digest {digest[:12]})")
+        probe = _deploy_probe(t, host, lay, stamp_path)
+        stamp = probe["stamp"] or {}
+        digests = {"build": source_digest(repo_root, files, build.argv, BUILD_INPUTS, probe["toolchain"]),
+                   "bundles": source_digest(repo_root, files, bundles.argv or [], BUNDLE_INPUTS)}
+        todo = []
+        if stamp.get("build_digest") == digests["build"] and probe["lib"]:
+            log(f"build: up to date ({lay.lib}, digest {digests['build'][:12]} of cuda/, the build "
+                f"line and {probe['toolchain'].splitlines()[0] if probe['toolchain'] else 'the compiler'})")
+        else:
+            todo.append(build)
+        if bundles.skipped:
+            log(f"bundles: skipped ({bundles.skipped})")
+        elif todo or stamp.get("bundles_digest") != digests["bundles"] or not probe["bundles"]:
+            todo.append(bundles)
+        if not todo:
             return summary + "; build up to date"
-        for step in (build, plan.step("bundles")):
-            if step.skipped:
-                log(f"{step.name}: skipped ({step.skipped})")
-                continue
+        cancel = getattr(opts.interrupt, "stop", None)  # Ctrl-C kills the step's group on the host
+        for step in todo:
+            if cancel is not None and cancel.is_set():
+                raise Interrupted(f"stopped before {step.name} (Ctrl-C)", host=host.name, step=step.name)
             progress.status(host.name, step.name)
             log(f"{step.name}: $ {' '.join(step.argv)}")
             try:
                 r = t.run(step.argv, cwd=step.cwd, env=step.env, timeout=step.timeout,
-                          on_output=progress.output(host.name))
+                          on_output=progress.output(host.name), cancel=cancel)
             except KdtError as e:
                 raise e.with_context(host=host.name, step=step.name)
             if not r.ok:
@@ -107,10 +119,36 @@ def _deploy_on(t: Transport, host: Host, repo_root: Path, opts: Options, progres
                                   + (f" ({r.signal})" if r.signal else "") + f": {r.tail(3)}",
                                   host=host.name, step=step.name,
                                   hint="the full output is above; run `invoke build` locally to reproduce")
-        write_remote_json(t, stamp_path, {"source_digest": digest, "build_argv": build.argv,
+        write_remote_json(t, stamp_path, {"build_digest": digests["build"], "bundles_digest": digests["bundles"],
+                                          "toolchain": probe["toolchain"], "build_argv": build.argv,
                                           "git": provenance.git_info(repo_root),
                                           "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
-        return summary + f"; built {lay.lib}"
+        return summary + "; " + " and ".join("built " + lay.lib if s is build else "regenerated the bundles"
+                                             for s in todo)
+
+
+_PROBE_SEP = "--kdt-deploy-probe--"
+
+
+def _deploy_probe(t: Transport, host: Host, lay: Layout, stamp_path: str) -> dict:
+    """One round trip: the last deploy's stamp, whether the library and bundles exist, and the
+    compiler versions the build would use (g++, and nvcc for a GPU arch)."""
+    q = shlex.quote
+    compilers = "g++ --version 2>/dev/null | head -n 1"
+    if host.cuda_arch != "cpu":
+        compilers += "; nvcc --version 2>/dev/null | tail -n 2"
+    r = t.run(f"cat {q(stamp_path)} 2>/dev/null; echo {_PROBE_SEP}; test -f {q(lay.lib)} && echo lib; "
+              f"test -d {q(lay.bundles)} && echo bundles; echo {_PROBE_SEP}; {compilers}",
+              timeout=host.timeouts.connect)
+    parts = r.stdout.split(_PROBE_SEP + "\n")
+    if not r.ok or len(parts) != 3:
+        raise TransferError(f"probing {lay.build}: {r.tail()}", host=host.name, step="deploy")
+    try:
+        stamp = json.loads(parts[0]) if parts[0].strip() else None
+    except ValueError:
+        stamp = None  # a torn or hand-edited stamp: rebuild
+    return {"stamp": stamp, "lib": "lib" in parts[1].split(), "bundles": "bundles" in parts[1].split(),
+            "toolchain": parts[2].strip()}
 
 
 def deploy(host: Host, repo_root: Path, opts: Options, progress: Progress) -> Outcome:
@@ -159,37 +197,118 @@ def _run(kind: str, host: Host, repo_root: Path, opts: Options, progress: Progre
             env = {**runner.env, provenance.GIT_ENV: json.dumps(git)}
             progress.status(host.name, f"{kind} {run_id}")
             log(f"{kind}: run {run_id} in {lay.run(run_id)}")
+            # The runner always runs in its own session on the host and holds the lock itself:
+            # it survives this client, and a run is never left going without the lock. Attached,
+            # this client follows its output (live progress) and stops it on Ctrl-C.
+            interrupt = opts.interrupt or Interrupt()
+            if interrupt.stop.is_set():
+                raise Interrupted("stopped before the run started (Ctrl-C)", host=host.name, step=kind)
+            runner_log = f"{lay.runs}/{run_id}.runner.log"
+            pid = t.spawn_detached(runner.argv, cwd=runner.cwd, env=env, log_path=runner_log)
+            lock.handoff(pid)
             if opts.detach:
-                pid = t.spawn_detached(runner.argv, cwd=runner.cwd, env=env,
-                                       log_path=f"{lay.runs}/{run_id}.runner.log")
-                lock.handoff(pid)
                 return Outcome(host.name, kind, f"started {run_id} detached (pid {pid}); "
-                               f"`invoke fetch-results --run {run_id}` once it is complete",
+                               + _follow_hint(host, lay, run_id), run_ids=[run_id], details={"pid": pid})
+            left = _follow(t, host, lay, run_id, pid, runner.timeout, progress, interrupt, lock)
+            if left:
+                return Outcome(host.name, kind, f"left {run_id} running (pid {pid}); " + _follow_hint(host, lay, run_id),
                                run_ids=[run_id], details={"pid": pid})
-            try:
-                r = t.run(runner.argv, cwd=runner.cwd, env=env, timeout=runner.timeout,
-                          on_output=progress.output(host.name))
-            except KdtError as e:
-                raise e.with_context(host=host.name, step=kind)
         finally:
             lock.release()
         manifest = read_remote_json(t, f"{lay.run(run_id)}/manifest.json")
     if manifest is None:
-        err = TestsFailed(f"the runner exited {r.exit_code} without a manifest: {r.tail(5)}",
-                          host=host.name, step=kind, hint=f"see {lay.run(run_id)}/logs on the host")
+        err = TestsFailed("the runner ended without a manifest", host=host.name, step=kind,
+                          hint=f"see {lay.runs}/{run_id}.runner.log and {lay.run(run_id)}/logs on the host")
         return Outcome(host.name, kind, f"{run_id}: incomplete", err, [run_id])
     summary = f"{run_id}: {manifest.get('summary')}"
     err = None
-    if not manifest.get("ok"):
+    if manifest.get("state") == "interrupted":
+        err = Interrupted(f"interrupted: run {run_id} stopped (its process group killed, its manifest "
+                          "says interrupted, the lock released)", host=host.name, step=kind,
+                          hint=f"its logs: `invoke fetch-results --run {run_id} --no-commit`")
+    elif not manifest.get("ok"):
         failed = [n for n, s in manifest["status"].items() if s.get("status") == "failed"]
         timed_out = [n for n in failed if "timed out" in (manifest["status"][n].get("reason") or "")]
         cls = StepTimeout if timed_out else TestsFailed  # a step past its timeout is exit 3, like any
         err = cls(f"{run_id}: {', '.join(failed)} failed: {manifest.get('summary')}",
                   host=host.name, step=kind,
-                  hint=(f"raise timeouts.{kind} in the host file; " if timed_out else "")
+                  hint=(f"give it longer with --timeout {kind}=SECONDS, or set timeouts.{kind} in "
+                        f"hosts/{host.name}.local.yaml (git-ignored); " if timed_out else "")
                   + f"logs in {lay.run(run_id)}/logs; `invoke fetch-results --run {run_id}` brings them home")
     return Outcome(host.name, kind, summary, err, [run_id],
                    {"deploy": deployed, "status": manifest.get("status")})
+
+
+class Interrupt:
+    """Ctrl-C on the client, shared by the hosts' threads: `stop` (stop the remote runs and mark
+    them interrupted) or `detach` (leave them running and stop waiting). tasks.py sets them."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.detach = threading.Event()
+
+
+FOLLOW_POLL_S = 0.5
+STOP_WAIT_S = 30.0      # for the runner to kill its step and write the manifest after TERM
+_FOLLOW_SEP = "--kdt-follow--"
+
+
+def _follow_hint(host: Host, lay: Layout, run_id: str) -> str:
+    where = "" if host.transport == "local" else f"on {host.name}: "
+    return (f"follow it with `tail -f {lay.runs}/{run_id}.runner.log` ({where}its status is "
+            f"{lay.run(run_id)}/status.json); `invoke fetch-results --host {host.name} --run {run_id}` "
+            "once it is complete")
+
+
+def _follow(t: Transport, host: Host, lay: Layout, run_id: str, pid: int, timeout: float | None,
+            progress: Progress, interrupt: Interrupt, lock: RemoteLock) -> bool:
+    """Pass the runner's new output lines on as they come (`progress: ...` lines update the
+    host's status cell), until its manifest is final and it has exited. On interrupt.stop: TERM
+    the runner (it kills its step's group, writes an interrupted manifest, releases the lock),
+    then KILL its group if it lingers and release the lock ourselves. True when left running
+    (interrupt.detach). StepTimeout past `timeout`."""
+    log = progress.logger(host.name)
+    q = shlex.quote
+    runner_log, manifest = f"{lay.runs}/{run_id}.runner.log", f"{lay.run(run_id)}/manifest.json"
+    offset, t0, stop_sent, killed = 0, time.monotonic(), None, False
+    while True:
+        r = t.run(f"tail -c +{offset + 1} {q(runner_log)} 2>/dev/null | head -c 1048576; echo; echo {_FOLLOW_SEP}; "
+                  f"test -f {q(manifest)} && echo final; kill -0 {int(pid)} 2>/dev/null && echo alive; exit 0",
+                  timeout=host.timeouts.connect)
+        data, _, state = r.stdout.rpartition("\n" + _FOLLOW_SEP + "\n")
+        data = data[:-1] if data.endswith("\n") else data  # the `echo` after tail
+        done = data.rfind("\n")
+        if done >= 0:
+            for line in data[:done].split("\n"):
+                if line.startswith("progress: "):
+                    progress.status(host.name, line[len("progress: "):])
+                else:
+                    log(f"  {line}")
+            offset += len(data[:done + 1].encode())
+        final, alive = "final" in state.split(), "alive" in state.split()
+        if final and not alive:
+            return False
+        if not alive:  # gone without a manifest: killed (OOM, KILL) before it could write one
+            return False
+        if interrupt.detach.is_set() and stop_sent is None:
+            return True
+        if interrupt.stop.is_set() and stop_sent is None:
+            log(f"stopping run {run_id}: TERM to the runner (pid {pid}); it kills its step's process group")
+            t.run(f"kill -TERM {int(pid)} 2>/dev/null; exit 0", timeout=host.timeouts.connect)
+            stop_sent = time.monotonic()
+        if stop_sent is not None and not killed and time.monotonic() - stop_sent > STOP_WAIT_S:
+            log(f"run {run_id}: the runner did not finish {STOP_WAIT_S:g} s after TERM: KILL to its group")
+            t.run(f"kill -KILL -- -{int(pid)} 2>/dev/null; exit 0", timeout=host.timeouts.connect)
+            lock.handed_off, lock.held = False, True  # its owner.json still carries our token
+            killed = True
+        if timeout is not None and stop_sent is None and time.monotonic() - t0 > timeout:
+            t.run(f"kill -TERM {int(pid)} 2>/dev/null; sleep 10; kill -KILL -- -{int(pid)} 2>/dev/null; exit 0",
+                  timeout=host.timeouts.connect + 15)
+            lock.handed_off, lock.held = False, True
+            raise StepTimeout(f"run {run_id} ran past {timeout:g} s; the runner's process group was killed",
+                              host=host.name, hint=f"give it longer with --timeout {'test' if run_id.endswith('test') else 'bench'}"
+                              f"=SECONDS, or timeouts in hosts/{host.name}.local.yaml")
+        time.sleep(FOLLOW_POLL_S)
 
 
 def test_remote(host: Host, repo_root: Path, opts: Options, progress: Progress) -> Outcome:
@@ -250,8 +369,9 @@ def doctor(host: Host, repo_root: Path, opts: Options, progress: Progress) -> Ou
     from .doctor import check_host
     log = progress.logger(host.name)
     if opts.dry_run:
-        log(f"plan: doctor on {host.name} ({host.address}): connect, then probe python, numpy, "
-            f"g++, nvcc, cmake, rsync, tar, nvidia-smi and free disk in {host.remote_dir}")
+        log(f"plan: doctor on {host.name} ({host.address}): connect, then probe python and its modules "
+            f"(numpy, torch, safetensors, yaml, aiohttp, pytest), g++, nvcc, cmake, rsync, tar, nvidia-smi "
+            f"and free disk in {host.remote_dir}")
         return Outcome(host.name, "doctor", "dry run: nothing changed")
     with open_transport(host, accept_new_host_key=opts.accept_new_host_key) as t:
         checks = check_host(t, host)

@@ -10,8 +10,9 @@ The remote folder (ARCHITECTURE.md), for remote_dir R and the host's cuda_arch A
     R/src/                     the synced tree          R/build/A/libkdtree.so, bundles/
     R/cache/                   generated inputs (weights), reused across runs (KDTREE_CACHE)
     R/runs/<run-id>/           one run's files          R/.lock
-    R/build/A/deploy.json      the source digest of the last good build (a no-change deploy
-                               skips the build)
+    R/build/A/deploy.json      the digests of the last good build (cuda/, its command line and
+                               the compiler's version) and bundles (engine/reference, engine/kdtr):
+                               a deploy skips each step whose inputs did not change
 
 Run id: `<UTC yyyymmddThhmmssZ>-<git short sha (7)>[-dirty]-<kind>`, kind = test | bench.
 """
@@ -25,10 +26,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .inventory import Host
+from .overrides import cpu_profile
 
 DEFAULT_BENCH_SUITES = "kernels,tree_build,e2e"
 SELFTEST = "selftest"        # the built-in suite of engine/remote/selftest.py
 RUNNER_MARGIN_S = 120        # provenance, hashing and the manifest, after the steps
+# test-remote's quick profile: the native programs plus these pytest files, which check every
+# kernel and the engine against the reference (the rest of `-m native` is serving and benches).
+QUICK_NATIVE_TESTS = ("test_native_kdtr.py", "test_native_tree.py", "test_native_tree_accept.py",
+                      "test_native_attention.py", "test_native_engine.py")
+
+
+def quick_profile(host: Host, opts: "Options") -> bool:
+    """--quick, --full, else the host's kind: a CPU host runs the quick profile, a GPU host the full one."""
+    return opts.quick or (not opts.full and cpu_profile(host))
 
 
 @dataclass(frozen=True)
@@ -40,7 +51,8 @@ class Options:
     no_deploy: bool = False       # test-remote / bench: skip the deploy first
     no_build: bool = False        # deploy only syncs
     suite: str | None = None      # test-remote: native | selftest; bench: suites for python -m bench
-    quick: bool = False
+    quick: bool = False           # test-remote / bench: the quick profile (the default on a CPU host)
+    full: bool = False            # test-remote / bench: the full profile (the default on a GPU host)
     detach: bool = False
     run: str | None = None        # fetch-results: None (new ones) | latest | all | a run id
     no_commit: bool = False
@@ -48,6 +60,7 @@ class Options:
     max_run_bytes: int = 512 * 1024 * 1024  # fetch-results: cap on one run's files (trust.py)
     lock_wait_s: float = 600.0
     url: str | None = None        # bench: the service suite measures this server (python -m bench --url)
+    interrupt: object = field(default=None, compare=False, repr=False)  # pipeline.Interrupt (Ctrl-C)
 
 
 @dataclass(frozen=True)
@@ -137,11 +150,21 @@ def make_run_id(git: dict, kind: str, now: dt.datetime | None = None) -> str:
     return f"{now:%Y%m%dT%H%M%SZ}-{sha}{'-dirty' if git.get('dirty') else ''}-{kind}"
 
 
-def source_digest(repo_root: Path, files: list[str], build_argv: list[str]) -> str:
-    """sha256 over every synced file's path and bytes plus the build line: equal digests mean
-    the last good build on the host is still current."""
-    h = hashlib.sha256(json.dumps(build_argv).encode())
+# What each deploy step reads: a change anywhere else (docs/, results, tests, the orchestration
+# itself) never rebuilds. The build also depends on its command line and the compiler version.
+BUILD_INPUTS = ("cuda/",)
+BUNDLE_INPUTS = ("engine/reference/", "engine/kdtr/")
+
+
+def source_digest(repo_root: Path, files: list[str], build_argv: list[str],
+                  prefixes: tuple[str, ...] | None = None, toolchain: str = "") -> str:
+    """sha256 over the path and bytes of each synced file under `prefixes` (all files when None),
+    the step's command line and the toolchain's version text: equal digests mean the last good
+    output of that step on the host is still current."""
+    h = hashlib.sha256(json.dumps(build_argv).encode() + b"\0" + toolchain.encode() + b"\0")
     for rel in sorted(files):
+        if prefixes is not None and not rel.startswith(prefixes):
+            continue
         p = repo_root / rel
         h.update(rel.encode() + b"\0")
         if p.is_file():
@@ -168,9 +191,10 @@ def plan_deploy(host: Host, lay: Layout, repo_root: Path, opts: Options, n_files
                      f"--exclude-standard` into {lay.src}/ (rsync, else a tar of changed files)",
              timeout=host.timeouts.sync),
         Step("build", f"build libkdtree.so for {host.cuda_arch} into {lay.build} (skipped when "
-                      "deploy.json's source digest matches)",
+                      "cuda/, the build line and the compiler match deploy.json's digest)",
              argv=build_argv, cwd=lay.remote_dir, timeout=host.timeouts.build),
-        Step("bundles", f"generate the KDTR test bundles into {lay.bundles}",
+        Step("bundles", f"generate the KDTR test bundles into {lay.bundles} (skipped when "
+                        "engine/reference and engine/kdtr did not change)",
              argv=[host.python, "-m", "engine.kdtr", "generate", "--out", lay.bundles],
              cwd=lay.src, env=python_env(lay), timeout=host.timeouts.build),
         Step("unlock", f"release {lay.remote_dir}/.lock"),
@@ -198,9 +222,15 @@ def runner_steps_test(host: Host, lay: Layout, run_dir: str, repo_root: Path, op
                   cwd=lay.src, env=env, timeout=host.timeouts.test, junit="native-junit.xml")
     if not (repo_root / "cuda" / "run_tests.sh").is_file():
         native.skipped = "cuda/run_tests.sh is not in the source yet"
-    pytest = Step("pytest-native", "pytest -m native against the host's libkdtree.so, JUnit XML",
-                  argv=[host.python, "-m", "pytest", "-m", "native", "-q", "-p", "no:cacheprovider",
-                        f"{lay.src}/tests", "--junitxml", f"{run_dir}/pytest-junit.xml"],
+    if quick_profile(host, opts):
+        what = "pytest -m 'native and not slow' on the kernel and engine tests (quick profile)"
+        select = ["native and not slow"] + [f"{lay.src}/tests/{f}" for f in QUICK_NATIVE_TESTS
+                                            if (repo_root / "tests" / f).is_file()]
+    else:
+        what, select = "pytest -m native", ["native", f"{lay.src}/tests"]
+    pytest = Step("pytest-native", f"{what} against the host's libkdtree.so, JUnit XML",
+                  argv=[host.python, "-m", "pytest", "-m", select[0], "-q", "-p", "no:cacheprovider",
+                        *select[1:], "--junitxml", f"{run_dir}/pytest-junit.xml"],
                   cwd=lay.src, env=env, timeout=host.timeouts.test, junit="pytest-junit.xml",
                   skip_codes={"5": "pytest selected no native tests"})
     return [native, pytest]
@@ -213,11 +243,12 @@ def runner_steps_bench(host: Host, lay: Layout, run_dir: str, opts: Options) -> 
         argv = [host.python, "-m", "engine.remote.selftest", "bench", "--out", run_dir]
     else:
         argv = [host.python, "-m", "bench", "--suite", suite, "--out", run_dir]
-    if opts.quick:
+    quick = quick_profile(host, opts)
+    if quick:
         argv.append("--quick")
     if opts.url and suite != SELFTEST:  # the service suite measures a running server (serving area)
         argv += ["--url", opts.url]
-    return [Step("bench", f"benchmark suites {suite}{' (quick)' if opts.quick else ''}",
+    return [Step("bench", f"benchmark suites {suite}{' (quick profile)' if quick else ' (full profile)'}",
                  argv=argv, cwd=lay.src, env=env, timeout=host.timeouts.bench)]
 
 
@@ -244,7 +275,7 @@ def runner_request(plan: Plan, run_id: str, git: dict, host: Host, lay: Layout, 
         "schema": 1, "run_id": run_id, "kind": plan.task,
         "host": {"name": host.name, "address": host.address, "source": str(host.source or "embedded")},
         "git": git, "build_dir": lay.build, "arch": host.cuda_arch,
-        "options": {"suite": opts.suite, "quick": opts.quick, "detach": opts.detach},
+        "options": {"suite": opts.suite, "quick": quick_profile(host, opts), "detach": opts.detach},
         "steps": [{"name": s.name, "argv": s.argv, "cwd": s.cwd, "env": s.env, "timeout": s.timeout,
                    "junit": s.junit, "skip_codes": s.skip_codes} for s in steps if not s.skipped],
         "skipped": {s.name: s.skipped for s in steps if s.skipped},

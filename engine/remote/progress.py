@@ -57,6 +57,21 @@ class Progress:
         if self._live is not None:
             self._live.stop()
 
+    def ask(self, question: str) -> str:
+        """Ask on the terminal (the live table paused meanwhile); "" when there is no answer."""
+        with self._lock:
+            if self._live is not None:
+                self._live.stop()
+            try:
+                self.stream.write(question)
+                self.stream.flush()
+                return sys.stdin.readline().strip()
+            except (OSError, ValueError, KeyboardInterrupt):
+                return ""
+            finally:
+                if self._live is not None:
+                    self._live.start()
+
     def line(self, host: str, text: str) -> None:
         with self._lock:
             for part in str(text).splitlines() or [""]:

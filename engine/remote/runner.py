@@ -40,6 +40,13 @@ from engine.remote import provenance
 SCHEMA = 1
 KILL_GRACE_S = 10
 MANIFEST = "manifest.json"
+POLL_S = 0.2          # how often a running step's log is read for new lines
+HEARTBEAT_S = 15.0    # a quiet step still says it is alive this often
+
+
+def _say(line: str) -> None:
+    """A line on the runner's stdout: the client passes these on to the terminal as they come."""
+    print(line, flush=True)
 
 
 def utc_now() -> str:
@@ -97,6 +104,7 @@ class Runner:
         self.status: dict[str, dict] = {}
         self.current: subprocess.Popen | None = None
         self.terminated: str | None = None
+        self._step_no = (1, 1)
 
     # -- progress ------------------------------------------------------------------------
     def _status_file(self, state: str, step: str | None = None) -> None:
@@ -105,7 +113,8 @@ class Runner:
             "updated": utc_now(), "steps": self.status})
 
     def _on_signal(self, signum, _frame) -> None:
-        # A TERM/HUP/INT to the runner ends the current step's group and finalizes as failed.
+        # A TERM/HUP/INT to the runner ends the current step's group and finalizes the run as
+        # interrupted (the client sends TERM on Ctrl-C: engine/remote/pipeline.py).
         self.terminated = signal.Signals(signum).name
         if self.current is not None and self.current.poll() is None:
             _kill_group(self.current)
@@ -131,16 +140,13 @@ class Runner:
             except OSError as e:
                 rec["reason"] = f"could not start {step['argv'][0]}: {e}"
                 return self._finish(rec, t0)
-            try:
-                code = self.current.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                _kill_group(self.current)
-                code = self.current.wait()
-                rec["reason"] = f"timed out after {timeout} s; its process group was killed"
+            code = self._wait(self.current, log, name, timeout, t0, rec)
         rec["exit_code"] = code if code >= 0 else None
         rec["signal"] = signal.Signals(-code).name if code < 0 else None
         if self.terminated:
-            rec.setdefault("reason", f"the runner received {self.terminated}")
+            rec["status"] = "interrupted"
+            rec.setdefault("reason", f"the runner received {self.terminated}; the step's process group was killed")
+            return self._finish(rec, t0)
         elif code < 0:
             rec.setdefault("reason", f"killed by {rec['signal']}")
         elif str(code) in (step.get("skip_codes") or {}):
@@ -154,6 +160,40 @@ class Runner:
         if junit and rec["status"] != "skipped":
             self._check_junit(rec, self.run_dir / junit)
         return self._finish(rec, t0)
+
+    def _wait(self, proc: subprocess.Popen, log: Path, name: str, timeout: float | None, t0: float,
+              rec: dict) -> int:
+        """Wait for the step, passing its log's new lines on to this runner's stdout as they come
+        (the client shows them live), with a heartbeat line when the step is quiet; a timeout
+        kills the step's process group."""
+        k, n = self._step_no
+        last_say = time.monotonic()
+        with open(log, "rb") as tail:
+            tail.seek(0, os.SEEK_END)
+            pending = b""
+            while True:
+                code = proc.poll()
+                chunk = tail.read()
+                if chunk:
+                    pending += chunk
+                    *lines, pending = pending.split(b"\n")
+                    for line in lines:
+                        _say(line.decode("utf-8", "replace").rstrip("\r"))
+                    last_say = time.monotonic()
+                if code is not None:
+                    if pending:
+                        _say(pending.decode("utf-8", "replace"))
+                    return code
+                elapsed = time.monotonic() - t0
+                if timeout is not None and elapsed > timeout:
+                    _kill_group(proc)
+                    rec["reason"] = f"timed out after {timeout} s; its process group was killed"
+                    return proc.wait()
+                if time.monotonic() - last_say >= HEARTBEAT_S:
+                    _say(f"progress: step {name} ({k}/{n}), {elapsed:.0f} s elapsed"
+                         + (f", timeout in {timeout - elapsed:.0f} s" if timeout else ""))
+                    last_say = time.monotonic()
+                time.sleep(POLL_S)
 
     def _check_junit(self, rec: dict, path: Path) -> None:
         rec["junit"] = path.name
@@ -187,30 +227,43 @@ class Runner:
         for name, why in (self.req.get("skipped") or {}).items():  # planned out, e.g. no run_tests.sh yet
             self.status[name] = {"status": "skipped", "reason": why}
         clocks_before = provenance.gpu_clocks()
-        for step in self.req["steps"]:
+        steps = self.req["steps"]
+        for k, step in enumerate(steps, 1):
             name = step["name"]
             if self.terminated:
                 self.status[name] = {"status": "skipped", "reason": f"the runner received {self.terminated}"}
                 continue
             self._status_file("running", name)
-            self.status[name] = self.run_step(step)
+            self._step_no = (k, len(steps))
+            _say(f"runner: step {name} ({k}/{len(steps)}) started")
+            self.status[name] = rec = self.run_step(step)
+            _say(f"runner: step {name} ({k}/{len(steps)}) {rec['status']} in {rec['seconds']:.0f} s"
+                 + (f": {rec['reason']}" if rec.get("reason") else ""))
         self._status_file("finalizing")
         prov = provenance.collect(self.run_dir, self.req.get("build_dir"))
         prov["git"] = self.req.get("git") or prov["git"]
         prov["host_facts"]["gpu_clocks"] = {"before": clocks_before, "after": prov["host_facts"]["gpu_clocks"]}
-        failed = [n for n, r in self.status.items() if r["status"] == "failed"]
+        failed = [n for n, r in self.status.items() if r["status"] in ("failed", "interrupted")]
+        summary = summarize(self.req["kind"], self.status)
+        if self.terminated:
+            summary = f"INTERRUPTED ({self.terminated}): {summary}"
         manifest = {
             "schema": SCHEMA, "run_id": self.req["run_id"], "kind": self.req["kind"],
             "host": self.req["host"], "started": started, "finished": utc_now(),
+            # complete: every step ran to its end (ok or not); interrupted: stopped by a signal
+            # (Ctrl-C on the client, or a kill): never a result to compare against
+            "state": "interrupted" if self.terminated else "complete",
+            "interrupted": {"signal": self.terminated} if self.terminated else None,
             "status": self.status, "steps": [s["name"] for s in self.req["steps"]],
-            "ok": not failed, "summary": summarize(self.req["kind"], self.status),
+            "ok": not failed and not self.terminated, "summary": summary,
             "options": self.req.get("options", {}), "arch": self.req.get("arch"), **prov,
         }
         self._status_file("finished")
         manifest["files"] = file_list(self.run_dir)  # last: status.json above is final now
         write_json_atomic(self.run_dir / MANIFEST, manifest)
         release_lock(self.req.get("lock"))
-        return 1 if failed else 0
+        _say(f"runner: {summary}")
+        return 130 if self.terminated else 1 if failed else 0
 
 
 def summarize(kind: str, status: dict[str, dict]) -> str:

@@ -71,7 +71,12 @@ def run_tests(junit: Path) -> int:
 
 
 def run_bench(out: Path, quick: bool) -> int:
-    time.sleep(float(os.environ.get("KDTREE_SELFTEST_SECONDS", "0")))
+    wait = float(os.environ.get("KDTREE_SELFTEST_SECONDS", "0"))
+    n = max(1, int(wait))
+    for i in range(1, n + 1):  # a slow "suite" that says where it is, as bench suites do
+        time.sleep(wait / n)
+        print(f"progress: selftest (1/1) case {i}/{n}, {i * wait / n:.0f} s elapsed, "
+              f"~{(n - i) * wait / n:.0f} s left", flush=True)
     reps = 5 if quick else 50
     payload = os.urandom(1 << 16)
     samples = []

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import logging
 import os
 import posixpath
 import secrets
@@ -32,6 +33,11 @@ import paramiko
 from .errors import ConfigError, HostKeyError, HostUnreachable, TransferError
 from .inventory import Host
 from .transport import KILL_GRACE_S, RunResult, Transport, _LineSink, _wrap, command_text, signal_name
+
+# Paramiko's transport thread logs a failed handshake (a port that is not SSH: "Exception
+# (client): Error reading SSH protocol banner" and a traceback); with no handler configured
+# Python's last-resort handler prints it to stderr. Our one error line already says it.
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 KEEPALIVE_S = 15
 EXIT_GRACE_S = 2.0  # after the exit status, how long silent output is awaited before giving up on EOF
@@ -141,7 +147,25 @@ class SshTransport(Transport):
             raise HostUnreachable(f"connect to {where} timed out after {self.host.timeouts.connect:g} s",
                                   host=self.host.name, step="connect",
                                   hint="is the host up and reachable? raise timeouts.connect if it is slow") from None
-        except (paramiko.SSHException, OSError, EOFError) as exc:
+        except socket.gaierror as exc:
+            alias = self.host.ssh_config_alias
+            if alias and not self.host.hostname and self.conn.host == alias:
+                what = (f"cannot resolve {alias!r}: it is the host's ssh_config_alias, and ~/.ssh/config "
+                        f"has no `Host {alias}` entry with a HostName ({exc.strerror})")
+                hint = f"add `Host {alias}` with `HostName` to ~/.ssh/config, or set hostname in {self.host.source}"
+            else:
+                origin = "hostname" if self.host.hostname else f"ssh_config_alias {alias!r} -> HostName"
+                what = f"cannot resolve the host name {self.conn.host!r} ({origin}; {exc.strerror})"
+                hint = f"check the name in {self.host.source or 'the host file'} and this machine's DNS"
+            raise HostUnreachable(what, host=self.host.name, step="connect", hint=hint) from None
+        except paramiko.SSHException as exc:
+            msg = str(exc)
+            if "protocol banner" in msg:
+                msg = f"{where} does not speak SSH (no SSH banner: {msg})"
+            raise HostUnreachable(f"cannot connect to {where}: {msg}" if "does not speak" not in msg else msg,
+                                  host=self.host.name, step="connect",
+                                  hint="check hostname/port or the ssh_config alias") from None
+        except (OSError, EOFError) as exc:
             raise HostUnreachable(f"cannot connect to {where}: {exc}", host=self.host.name, step="connect",
                                   hint="check hostname/port or the ssh_config alias") from None
         for c in hops:
@@ -183,7 +207,7 @@ class SshTransport(Transport):
         return argv, h.ssh_config_alias or h.hostname
 
     # -- commands -----------------------------------------------------------------------------
-    def run(self, argv_or_script, *, cwd=None, env=None, timeout=None, stdin=None, on_output=None):
+    def run(self, argv_or_script, *, cwd=None, env=None, timeout=None, stdin=None, on_output=None, cancel=None):
         command = command_text(argv_or_script)
         script = _wrap(command, cwd=self.abspath(cwd) if cwd else None, env=self._env(env), pgid_marker=True)
         start = time.monotonic()
@@ -220,6 +244,10 @@ class SshTransport(Transport):
                 self._kill_remote_group(err.marker_value)
                 chan.close()
                 raise self._timeout_error(command, timeout)
+            if cancel is not None and cancel.is_set():  # Ctrl-C on the client
+                self._kill_remote_group(err.marker_value)
+                chan.close()
+                raise self._cancelled(command)
             if not self._transport().is_active():
                 raise HostUnreachable(f"connection lost while running `{command[:80]}`", host=self.host.name)
             if not chan.eof_received:

@@ -47,13 +47,17 @@ from .transport import LocalTransport, Transport
 MANIFEST = ".sync-manifest.json"
 MANIFEST_SCHEMA = 1
 EXCLUDED_TOP = (".git/", "results/")
+# The generated per-host reports (docs/BENCHMARKS_<host>.md and its plots) are written by
+# fetch-results from results/; hosts never read them, so a results commit sends nothing.
+EXCLUDED_PREFIX = ("docs/BENCHMARKS_",)
 
 
 # --- the local side ---------------------------------------------------------------------------
 
 def git_file_list(repo_root: Path | str) -> list[str]:
     """Sorted repo-relative paths of tracked and untracked-not-ignored files that exist, minus
-    .git/ and results/ (and submodule folders, which are not files)."""
+    .git/, results/, the generated docs/BENCHMARKS_<host>* reports (and submodule folders, which
+    are not files)."""
     repo_root = Path(repo_root)
     try:
         r = subprocess.run(["git", "-C", str(repo_root), "ls-files", "-co", "--exclude-standard", "-z"],
@@ -68,7 +72,7 @@ def git_file_list(repo_root: Path | str) -> list[str]:
         if not raw:
             continue
         path = raw.decode("utf-8", "surrogateescape")
-        if path.startswith(EXCLUDED_TOP) or path in (".git", "results"):
+        if path.startswith(EXCLUDED_TOP + EXCLUDED_PREFIX) or path in (".git", "results"):
             continue
         full = repo_root / path
         if full.is_symlink() or full.is_file():  # deleted-but-tracked files and gitlinks drop out

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from .errors import StepTimeout, TransferError
+from .errors import Interrupted, StepTimeout, TransferError
 from .inventory import Host
 
 # on_output(stream, line): stream is "stdout" or "stderr", line has no trailing newline.
@@ -164,8 +164,10 @@ class Transport(ABC):
     @abstractmethod
     def run(self, argv_or_script: Sequence[str] | str, *, cwd: str | None = None,
             env: Mapping[str, str] | None = None, timeout: float | None = None,
-            stdin: bytes | str | None = None, on_output: OutputCallback | None = None) -> RunResult:
-        """Run a command (argv list, or a sh script string) on the host."""
+            stdin: bytes | str | None = None, on_output: OutputCallback | None = None,
+            cancel: threading.Event | None = None) -> RunResult:
+        """Run a command (argv list, or a sh script string) on the host. When `cancel` is set
+        (Ctrl-C on the client) the command's process group is killed and Interrupted raised."""
 
     @abstractmethod
     def put(self, local_path: str | Path, remote_path: str) -> None:
@@ -240,9 +242,13 @@ class Transport(ABC):
         merged.update(env or {})
         return merged
 
+    def _cancelled(self, command: str) -> Interrupted:
+        return Interrupted(f"stopped `{_short(command)}` (Ctrl-C); its process group was killed", host=self.host.name)
+
     def _timeout_error(self, command: str, timeout: float) -> StepTimeout:
         return StepTimeout(f"`{_short(command)}` ran past its {timeout:g} s timeout; its process group was killed",
-                           host=self.host.name, hint="if the step needs longer, raise timeouts.<step> in the host file")
+                           host=self.host.name, hint="if the step needs longer: --timeout STEP=SECONDS for this run, or "
+                           f"timeouts.STEP in hosts/{self.host.name}.local.yaml (git-ignored)")
 
 
 def _short(command: str, n: int = 120) -> str:
@@ -253,7 +259,7 @@ def _short(command: str, n: int = 120) -> str:
 class LocalTransport(Transport):
     """Runs on this machine (hosts with `transport: local`, e.g. the default and the H200)."""
 
-    def run(self, argv_or_script, *, cwd=None, env=None, timeout=None, stdin=None, on_output=None):
+    def run(self, argv_or_script, *, cwd=None, env=None, timeout=None, stdin=None, on_output=None, cancel=None):
         command = command_text(argv_or_script)
         script = _wrap(command, cwd=self.abspath(cwd) if cwd else None, env=self._env(env), pgid_marker=False)
         start = time.monotonic()
@@ -277,7 +283,17 @@ class LocalTransport(Transport):
         for t in threads:
             t.start()
         try:
-            proc.wait(timeout=timeout)
+            if cancel is None:
+                proc.wait(timeout=timeout)
+            else:  # poll, so that a Ctrl-C (cancel set by the client) stops the command's group
+                deadline = None if timeout is None else start + timeout
+                while proc.poll() is None:
+                    if cancel.is_set():
+                        _kill_group(proc.pid, proc)
+                        raise self._cancelled(command)
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise subprocess.TimeoutExpired(command, timeout)
+                    time.sleep(0.1)
         except subprocess.TimeoutExpired:
             _kill_group(proc.pid, proc)
             raise self._timeout_error(command, timeout) from None
