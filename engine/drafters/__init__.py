@@ -1,6 +1,6 @@
 """Drafters: per request and round, the top-K draft distribution for the next L positions.
 
-The interface (what `engine.reference.decode.generate` and the native engine call):
+The interface, one request at a time (what `engine.reference.decode.generate` calls):
 
     drafter.depth                                  # L, the number of drafted positions
     top_logp, top_ids = drafter.draft(committed, root, hidden, k)
@@ -12,11 +12,21 @@ The interface (what `engine.reference.decode.generate` and the native engine cal
         top_logp   float32 [L, K] log-probabilities, each row sorted descending
         top_ids    int64   [L, K] token ids; row d-1 is depth d (position P + d)
 
+The decode round (engine/native/round.py) drafts every request at once on the engine's
+device instead, through `draft_batch`:
+
+    top_logp, top_ids = drafter.draft_batch(inp, k)   # inp: engine.native.round.DraftInput
+        inp.rows int64 [B], inp.lengths int64 [B] (P), inp.roots int64 [B], inp.hidden float32
+        [slots + 1, max_seq, D] (the committed tokens' hidden states by slot and position)
+        top_logp float32 [B, L, K], top_ids int64 [B, L, K] on the same device, no host sync
+
 Two drafters ship:
 - `NoisyOracleDrafter`: an ORACLE for mechanics and benchmarks. It is handed the target's true
   greedy continuation and puts the true token at rank 0 with probability `quality`, at a rank in
   [1, K) with probability (1 - quality) * quality, and outside the top K otherwise; seeded, so
   quality 1 is always right and quality 0 always wrong.
+  `OracleDrafter` is its batched form (draft_batch, torch; engine.native.oracle runs it as one
+  kernel), with truths assigned per slot and a counter-based hash for the noise.
 - `BlockDrafter`: a real drafter that never sees the target's future (engine.drafters.block):
   a small network reading the target's last hidden states and predicting the L positions in one
   pass from mask tokens; weights in `drafter.safetensors` + `drafter_config.json` beside the
