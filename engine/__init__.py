@@ -3,6 +3,7 @@
 Packages, from the bottom up; imports point down only (the import-linter contract in
 pyproject.toml checks it):
 
+- `jsondepth`: JSON nesting counted without parsing (untrusted input), for the server and remote.
 - `reference`: the float64 numpy golden (DDTree, MLA attention, the model, greedy decode).
 - `kdtr`, `baselines`: KDTR bundles and golden cases; other systems' paths for head-to-heads.
 - `drafters`: the drafter interface, the noisy oracle, the block drafter network.

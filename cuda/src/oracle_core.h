@@ -7,11 +7,7 @@
 
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define KDT_HD __host__ __device__ __forceinline__
-#else
-#define KDT_HD inline
-#endif
+#include "kdtree/hd.h"
 
 namespace kdt {
 namespace oracle {

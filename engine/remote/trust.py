@@ -39,6 +39,8 @@ import socket
 import stat
 from pathlib import Path
 
+from engine.jsondepth import json_depth
+
 from .errors import TransferError
 from .transport import LocalTransport, Transport
 
@@ -107,34 +109,12 @@ def check_relpath(rel) -> str | None:
     return None
 
 
-def _depth(text: str) -> int:
-    """The deepest nesting of [ and { in JSON text (strings skipped)."""
-    depth = deepest = 0
-    in_str = esc = False
-    for ch in text:
-        if in_str:
-            if esc:
-                esc = False
-            elif ch == "\\":
-                esc = True
-            elif ch == '"':
-                in_str = False
-        elif ch == '"':
-            in_str = True
-        elif ch in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif ch in "]}":
-            depth -= 1
-    return deepest
-
-
 def parse_json(data: bytes, what: str, max_depth: int = MAX_JSON_DEPTH):
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise Refused(f"{what}: not UTF-8") from None
-    if _depth(text) > max_depth:
+    if json_depth(text) > max_depth:
         raise Refused(f"{what}: JSON nested deeper than {max_depth} levels")
     try:
         return json.loads(text)

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from engine.jsondepth import json_depth
 from engine.serving.batcher import Batcher, Overloaded, Unavailable
 from engine.serving.tokenizer import ByteTokenizer
 
@@ -73,29 +74,6 @@ def error_response(status: int, message: str, param=None, code=None, headers=Non
                              status=status, headers=headers)
 
 
-def _json_depth(text: str) -> int:
-    """The deepest nesting of [ and { in JSON text (strings skipped), without recursion."""
-    depth = deepest = 0
-    in_str = esc = False
-    for ch in text:
-        if in_str:
-            if esc:
-                esc = False
-            elif ch == "\\":
-                esc = True
-            elif ch == '"':
-                in_str = False
-        elif ch == '"':
-            in_str = True
-        elif ch in "[{":
-            depth += 1
-            if depth > deepest:
-                deepest = depth
-        elif ch in "]}":
-            depth -= 1
-    return deepest
-
-
 def _bounded_int(s: str) -> int:
     if len(s.lstrip("-")) > MAX_INT_DIGITS:
         raise BadRequest(f"a number of {len(s.lstrip('-'))} digits is out of range "
@@ -120,7 +98,7 @@ def parse_json_body(raw: bytes):
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise BadRequest(f"the request body is not UTF-8: {e.reason} at byte {e.start}") from None
-    if _json_depth(text) > MAX_JSON_DEPTH:
+    if json_depth(text) > MAX_JSON_DEPTH:
         raise BadRequest(f"the request body is nested deeper than {MAX_JSON_DEPTH} levels")
     try:
         return json.loads(text, parse_int=_bounded_int, parse_float=_finite_float,

@@ -12,11 +12,7 @@
 #include <cmath>
 #include <cstring>
 
-#if defined(__CUDACC__)
-#define KDT_HD __host__ __device__ __forceinline__
-#else
-#define KDT_HD inline
-#endif
+#include "kdtree/hd.h"
 
 namespace kdt {
 
