@@ -29,7 +29,8 @@ def test_git_info_clean_dirty_and_ignored_paths(tmp_path, monkeypatch):
     git(tmp_path, "commit", "-q", "-m", "x")
     sha = git(tmp_path, "rev-parse", "HEAD").strip()
     clean = provenance.git_info(tmp_path)
-    assert clean == {"sha": sha, "short": sha[:10], "branch": "work", "dirty": False, "diff_sha256": None, "untracked": 0}
+    assert clean == {"sha": sha, "short": sha[:10], "branch": "work", "dirty": False, "diff_sha256": None,
+                     "untracked": 0, "tracked_changed": 0}
     (tmp_path / "results/h/r").mkdir(parents=True)        # fetched results do not make it dirty
     (tmp_path / "results/h/r/x.json").write_text("{}")
     (tmp_path / "docs").mkdir()
@@ -37,11 +38,16 @@ def test_git_info_clean_dirty_and_ignored_paths(tmp_path, monkeypatch):
     assert provenance.git_info(tmp_path)["dirty"] is False
     (tmp_path / "a.py").write_text("2\n")
     d1 = provenance.git_info(tmp_path)
-    assert d1["dirty"] is True and len(d1["diff_sha256"]) == 64
+    assert d1["dirty"] is True and len(d1["diff_sha256"]) == 64 and d1["tracked_changed"] == 1
     assert provenance.git_info(tmp_path)["diff_sha256"] == d1["diff_sha256"]  # stable
     (tmp_path / "new.py").write_text("n\n")                # an untracked file changes the hash
     d2 = provenance.git_info(tmp_path)
-    assert d2["untracked"] == 1 and d2["diff_sha256"] != d1["diff_sha256"]
+    assert d2["untracked"] == 1 and d2["diff_sha256"] != d1["diff_sha256"] and d2["tracked_changed"] == 1
+    from engine.remote.report import _dirty
+
+    assert _dirty(d2) == " (dirty: 1 tracked file(s) changed, 1 untracked file(s))"
+    assert _dirty({"dirty": True, "untracked": 4}) == " (dirty: 4 untracked file(s))"
+    assert _dirty(clean) == ""
 
 
 def test_git_info_without_checkout_uses_env(tmp_path, monkeypatch):

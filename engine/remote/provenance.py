@@ -2,7 +2,8 @@
 
 `collect(repo_root, build_dir=None) -> dict` returns the manifest's four provenance fields:
 
-    {"git":        {"sha", "short", "branch", "dirty", "diff_sha256", "untracked"} (or "source": why absent),
+    {"git":        {"sha", "short", "branch", "dirty", "diff_sha256", "untracked", "tracked_changed"}
+                   (or "source": why absent),
      "host_facts": {"hostname", "os", "kernel", "cpu_model", "cpu_cores", "memory_bytes",
                     "boot_id", "gpus": [{"index", "name", "uuid", "pci_bus_id", "memory_mib",
                     "compute_cap", "driver"}], "gpu_clocks": [...], "gpu_note"},
@@ -92,8 +93,9 @@ def git_info(repo_root: str | Path) -> dict:
             if p.is_file():
                 h.update(p.read_bytes())
         diff_sha = h.hexdigest()
+    tracked = sum(1 for line in status.splitlines() if line.strip() and not line.startswith("??"))
     return {"sha": sha, "short": sha[:10] if sha else None, "branch": branch, "dirty": dirty,
-            "diff_sha256": diff_sha, "untracked": len(untracked)}
+            "diff_sha256": diff_sha, "untracked": len(untracked), "tracked_changed": tracked}
 
 
 # ---- host and GPUs --------------------------------------------------------------------------

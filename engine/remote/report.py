@@ -30,7 +30,20 @@ from engine.remote.report_meaning import KIMI_LAYERS, ceilings, headline, meanin
 _pct, _us = pct, us  # the names tests and older callers use
 
 
+def _dirty(git: dict) -> str:
+    """' (dirty: what made it so)' for a dirty checkout, from the manifest's git record."""
+    if not git.get("dirty"):
+        return ""
+    parts = []
+    if git.get("tracked_changed") is not None:
+        parts.append(f"{git['tracked_changed']} tracked file(s) changed")
+    if git.get("untracked") is not None:
+        parts.append(f"{git['untracked']} untracked file(s)")
+    return f" (dirty: {', '.join(parts)})" if parts else " (dirty)"
+
+
 # ---------------------------------------------------------------- loading ----------------
+
 
 def load_runs(host_dir) -> tuple:
     """(runs, skipped). runs: [{"id", "dir", "manifest", "suites": {name: doc}}] oldest first,
@@ -75,7 +88,7 @@ def _provenance_lines(run) -> list:
     gpu = ", ".join(f"{g.get('name')} (driver {g.get('driver')}, {g.get('memory_mib')} MiB)"
                     for g in gpus if isinstance(g, dict)) or "none"
     lines = [
-        f"- run `{run['id']}`; git `{git.get('sha', '?')}`{' (dirty)' if git.get('dirty') else ''}"
+        f"- run `{run['id']}`; git `{git.get('sha', '?')}`{_dirty(git)}"
         f"{', branch ' + str(git['branch']) if git.get('branch') else ''}",
         f"- host `{facts.get('hostname', '?')}`: {facts.get('cpu_model', '?')} "
         f"({facts.get('cpu_cores', '?')} cores); GPUs: {gpu}",
