@@ -10,8 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,39 +17,14 @@ import pytest
 
 from engine.remote import results, trust
 from engine.remote.errors import UsageError
-from engine.remote.inventory import load_host, parse_host
+from engine.remote.inventory import load_host
 from engine.remote.plan import Options
 from engine.remote.progress import Progress
 
+from results_helpers import GIT_ENV, git, host, repo  # noqa: F401 (fixtures)
+
 GOOD = "20260101T000000Z-ddddddd-bench"
 BAD = "20260101T000001Z-ddddddd-bench"
-GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.invalid",
-           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.invalid"}
-
-
-def git(repo: Path, *args: str, check: bool = True) -> str:
-    r = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
-    assert not check or r.returncode == 0, r.stderr
-    return r.stdout
-
-
-@pytest.fixture
-def repo(tmp_path, monkeypatch):
-    for k, v in GIT_ENV.items():
-        monkeypatch.setenv(k, v)
-    r = tmp_path / "repo"
-    r.mkdir()
-    git(r, "init", "-q", "-b", "main")
-    (r / "code.py").write_text("x = 1\n")
-    git(r, "add", "code.py")
-    git(r, "commit", "-q", "-m", "init")
-    return r
-
-
-@pytest.fixture
-def host(tmp_path):
-    return parse_host("box", {"transport": "local", "remote_dir": str(tmp_path / "remote"), "cuda_arch": "cpu"},
-                      source=None)
 
 
 def entry(rel: str, data: bytes) -> dict:

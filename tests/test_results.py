@@ -13,37 +13,12 @@ import pytest
 
 from engine.remote import results
 from engine.remote.errors import UsageError
-from engine.remote.inventory import parse_host
 from engine.remote.plan import Options
 from engine.remote.progress import Progress
 
+from results_helpers import git, host, repo  # noqa: F401 (fixtures)
+
 REPO = Path(__file__).resolve().parent.parent
-GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.invalid",
-           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.invalid"}
-
-
-def git(repo: Path, *args: str) -> str:
-    r = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, env={**os.environ, **GIT_ENV})
-    assert r.returncode == 0, r.stderr
-    return r.stdout
-
-
-@pytest.fixture
-def repo(tmp_path, monkeypatch):
-    for k, v in GIT_ENV.items():
-        monkeypatch.setenv(k, v)
-    r = tmp_path / "repo"
-    r.mkdir()
-    git(r, "init", "-q", "-b", "main")
-    (r / "code.py").write_text("x = 1\n")
-    git(r, "add", "code.py")
-    git(r, "commit", "-q", "-m", "init")
-    return r
-
-
-@pytest.fixture
-def host(tmp_path):
-    return parse_host("box", {"transport": "local", "remote_dir": str(tmp_path / "remote"), "cuda_arch": "cpu"}, source=None)
 
 
 def make_run(host, run_id: str, *, dirty: bool = False, complete: bool = True) -> Path:
