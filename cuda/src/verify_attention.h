@@ -69,10 +69,24 @@ struct VerifyAttentionPlan {
   }
 };
 
+// Which implementation runs a call: KDT_VERIFY_PATH=auto|simt|mma|sm90a|cpu in the environment,
+// read on every call (unset or empty: auto). auto picks the fastest path for the device and
+// dtype (CUDA bf16 at 512 + 64: sm90a on sm_90 when built for it, else mma; otherwise simt);
+// the others force one and fail with a clear error when it cannot take the call.
+enum class VerifyPath { kAuto, kCpu, kSimt, kMma, kSm90a };
+// Parses the variable; an unknown value is KDT_ERR_INVALID_ARGUMENT naming it.
+kdt_status verify_path_from_env(VerifyPath* path);
+
 kdt_status verify_attention_cpu(const VerifyAttentionArgs& a);
 #if defined(KDT_WITH_CUDA)
-kdt_status verify_attention_cuda(const VerifyAttentionArgs& a, void* stream, void* workspace,
-                                 size_t workspace_bytes);
+kdt_status verify_attention_cuda(const VerifyAttentionArgs& a, VerifyPath path, void* stream,
+                                 void* workspace, size_t workspace_bytes);
+// The sm_90a wgmma kernel (verify_attention_sm90a.cu): bf16, d_latent 512, d_rope 64, the
+// workspace of VerifyAttentionPlan (split-KV partial states merged by LSE). Returns
+// KDT_ERR_UNSUPPORTED (with kdt_last_error saying why) when the device, the build or the call
+// cannot run it; `auto` then falls back to the mma path.
+kdt_status verify_attention_sm90a(const VerifyAttentionArgs& a, void* stream, void* workspace,
+                                  size_t workspace_bytes);
 #endif
 
 }  // namespace kdt
