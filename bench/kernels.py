@@ -364,7 +364,8 @@ def _attention_case(lib, device, bs, prefix, tree, dtype, seed, timer, ceil) -> 
         kern = g["median"] if g else call_med
         gbs, tfs = w["bytes"] / kern / 1e9, w["flops"] / kern / 1e12
         rates = {
-            "kernel_s": _rate(kern, "s", "CUDA graph of N calls / N" if g else "median of one call"),
+            "kernel_s": _rate(kern, "s", f"CUDA graph of N = {g['calls']} calls / N, median of "
+                              f"{g['replays']} replays" if g else "median of one call"),
             "GB_per_s": _rate(gbs, "GB/s", "bytes / kernel_s; " + w_formula("bytes")),
             "TFLOP_per_s": _rate(tfs, "TFLOP/s", "flops / kernel_s; " + w_formula("flops")),
             "frac_copy_ceiling": _rate(gbs / ceil["copy"]["value"], "fraction",
@@ -374,8 +375,6 @@ def _attention_case(lib, device, bs, prefix, tree, dtype, seed, timer, ceil) -> 
         }
         rec = _record("verify_attention", device, case, v, samples, rates, seed)
         rec["work"] = w
-        if g:
-            rec["graph"] = g
         out.append(rec)
         if device == "cuda":
             torch.cuda.empty_cache()
