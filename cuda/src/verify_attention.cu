@@ -1,7 +1,14 @@
 // verify_attention.cu: the CUDA backend of kdt_verify_attention (DDTREE.md section 6).
 //
-// Two kernels on the caller's stream, no host sync, grid sized from max_tree / max_kv only
-// (graph-capturable; the index pointers are read on the device):
+// Paths (VerifyPath, chosen per call by verify_attention_cuda; KDT_VERIFY_PATH forces one):
+//   mma   bf16 caches at d_latent 512 / d_rope 64 (verify_attention_mma.cuh): a pipelined
+//         mma.sync kernel over the request's whole cache (prefix and masked tree tail) per
+//         split-KV chunk, plus an LSE merge kernel when there is more than one chunk.
+//   sm90a the wgmma kernel (verify_attention_sm90a.cu), auto's first choice on sm_90.
+//   simt  any dtype and shape (the fp32 path and the reference for the others), below.
+//
+// SIMT: two kernels on the caller's stream, no host sync, grid sized from max_tree / max_kv
+// only (graph-capturable; the index pointers are read on the device):
 //   1. prefix pass (grid row_tiles x splits x bs): unmasked flash-decoding over one chunk of
 //      the request's committed prefix; writes a normalised partial state (o / d, lse) per
 //      (query, head) row and chunk into the workspace.
@@ -20,19 +27,15 @@
 // score of cache row j. Softmax statistics (kdt::SoftmaxState) are warp-uniform.
 // Accumulation is fp32 throughout (dot products, d, o) with bf16 inputs converted exactly.
 //
-// nvcc 13.0 -O3 -Xptxas -v, SIMT kernels (prefix / tree pass): sm_90 233-237 / 253-255
-// registers, sm_120 189-192 / 255, no spills, 1 block (8 warps) per SM; the tensor-core prefix
-// kernel (verify_attention_tc.cuh): sm_90 255 registers with 348 B of spill stores (128 B stack,
-// L1-resident), sm_120 170 registers, no spills.
+// nvcc 13.0 -O3 -Xptxas -v: SIMT kernels (prefix / tree pass) sm_90 233-237 / 253-255
+// registers, sm_120 189-192 / 255, no spills, 1 block (8 warps) per SM; mma kernel 64 rows x 4
+// stages / 32 rows x 3 stages: sm_90 228 / 227 registers, sm_120 170 / 168, no spills; merge
+// kernel 52 (sm_90) / 62 (sm_120).
 //
-// Measured on the H200 (one run, Kimi K2 shape H 64, 512 + 64, tree 64, bs 1, L2 flushed,
-// median of 30-60 CUDA-event reps): P 4096: fp32 2.55 ms (14.5 TFLOP/s), bf16 tensor cores
-// 0.62 ms (59.5 TFLOP/s), bf16 SIMT 2.74 ms; P 32768: fp32 19.8 ms (14.8 TFLOP/s), bf16 tensor
-// cores 4.41 ms (66 TFLOP/s), bf16 SIMT 20.4 ms. FLOPs = 2 T H (P + T) (2 Dl + Dr); compute
-// bound (0.01-0.03 TB/s of HBM), so these are ~22% of fp32 SIMT peak and ~9% of the measured
-// 751 TFLOP/s bf16 GEMM. Max relative errors vs float64: fp32 3.4e-6, bf16 SIMT 2.6e-6, bf16
-// tensor cores 2.7e-5 at P 32k before the per-tile accumulator fix (verify_attention_tc.cuh),
-// which has not run on a GPU yet.
+// Measured on the H200 before the mma path (one run, Kimi K2 shape H 64, 512 + 64, tree 64,
+// bs 1, L2 flushed): fp32 SIMT 2.55 ms at P 4096 (14.5 TFLOP/s), 19.8 ms at P 32768; the old
+// bf16 tensor-core prefix kernel (hi + lo split of P, recomputed S) 0.62 / 4.41 ms (~60-66
+// TFLOP/s, ~9% of the measured bf16 GEMM). The mma path has not run on a GPU yet.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 

@@ -30,12 +30,17 @@ struct VerifyAttentionArgs {
 // query and the call agree without touching the device (and without the dtype, which the
 // workspace query does not take).
 //   rows of request b = n_b * H (query-head pairs, row = node * H + head);
-//   prefix rows [0, P_b) split into `splits` chunks of `chunk` rows (a multiple of kKvTile).
-// The SIMT kernels tile rows by kRowsPerBlock, the tensor-core prefix kernel by kRowsPerBlockTc;
-// the split count is chosen for the coarser (tensor-core) tiling, so both get enough blocks.
+//   cache rows split into at most `splits` chunks of `chunk` rows (a multiple of kKvTile): the
+//   SIMT path chunks the prefix [0, P_b) (its tree pass merges), the tensor-core paths (mma,
+//   sm90a) the whole [0, kv_len_b) with the tree tail masked in the last chunk(s); both chunk
+//   counts are <= splits because P_b < kv_len_b <= max_kv.
+// The SIMT kernels tile rows by kRowsPerBlock, the tensor-core paths by kRowsPerBlockTc (the
+// mma path uses 32 on parts with 99 KB of shared memory per block); the split count is chosen
+// for the 64-row tiling, so every path gets enough blocks. With splits == 1 the tensor-core
+// paths write out / lse directly and need no merge.
 struct VerifyAttentionPlan {
   static constexpr int kRowsPerBlock = 16;    // SIMT: 8 warps x 2 rows (verify_attention.cu)
-  static constexpr int kRowsPerBlockTc = 64;  // tensor cores: 4 row groups x 16 rows
+  static constexpr int kRowsPerBlockTc = 64;  // tensor cores: 4 row groups x 16 rows (mma, sm90a)
   static constexpr int kKvTile = 32;          // cache rows per shared-memory tile (SIMT)
   static constexpr int kTargetBlocks = 264;   // ~2 waves of an H200's 132 SMs
   static constexpr int kMinChunk = 256;       // below this the partial-state traffic dominates
