@@ -217,7 +217,31 @@ KIMI_GRID = [  # the mma path's shape (d_latent 512, d_rope 64): tiles of 16 cac
 ]
 CUDA_GRID = GRID + KIMI_GRID
 # (path, dtype) pairs run on every grid case they can take; auto is what callers get.
-CUDA_PATHS = [("auto", "f32"), ("simt", "f32"), ("auto", "bf16"), ("simt", "bf16"), ("mma", "bf16")]
+CUDA_PATHS = [("auto", "f32"), ("simt", "f32"), ("auto", "bf16"), ("simt", "bf16"), ("mma", "bf16"),
+              ("sm90a", "bf16")]
+TC_ONLY = ("mma", "sm90a")  # paths that take bf16 at d_latent 512 / d_rope 64 only
+
+
+def _path_or_skip(attention, path):
+    """Skips when this build or device cannot run `path` at all (sm90a: not built, not sm_90),
+    with the library's reason; refusals of particular calls are tested elsewhere."""
+    if path != "sm90a":
+        return
+    import torch
+
+    from engine.native._lib import NativeError
+
+    rng = np.random.default_rng(0)
+    q_lat, q_pe, kv, qi, ki, vis, scale = random_case(rng, 1, 1, 512, 64, [16], [1])
+    t = lambda x: torch.from_numpy(x).cuda()  # noqa: E731
+    bf = lambda x: t(x).to(torch.bfloat16)  # noqa: E731
+    try:
+        attention.verify_attention(bf(q_lat), bf(q_pe), bf(kv), t(qi), t(ki), t(vis), scale,
+                                   device="cuda", path=path)
+    except NativeError as e:
+        if e.status == 2:  # KDT_ERR_UNSUPPORTED
+            pytest.skip(f"path {path} unavailable here: {e}")
+        raise
 
 
 @pytest.mark.cuda
@@ -226,20 +250,23 @@ CUDA_PATHS = [("auto", "f32"), ("simt", "f32"), ("auto", "bf16"), ("simt", "bf16
 def test_cuda_matches_reference(bs, H, dl, dr, prefixes, trees, path, dtype):
     attention = _attention()
     _cuda_or_skip(attention)
-    if path == "mma" and (dl, dr) != (512, 64):
-        pytest.skip("the mma path takes d_latent 512 / d_rope 64 only (refusal: test_cuda_forced_path_errors)")
+    if path in TC_ONLY and (dl, dr) != (512, 64):
+        pytest.skip(f"the {path} path takes d_latent 512 / d_rope 64 only (refusal of mma: "
+                    "test_cuda_forced_path_errors)")
+    _path_or_skip(attention, path)
     seed = int(np.random.SeedSequence().entropy % 2**32)
     rng = np.random.default_rng(seed)
     check(attention, random_case(rng, bs, H, dl, dr, prefixes, trees), "cuda", dtype, seed, path)
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("path", ["simt", "mma"])
+@pytest.mark.parametrize("path", ["simt", "mma", "sm90a"])
 def test_cuda_masked_out_row_is_empty_state(path):
     """A query that sees nothing (prefix 0, no visibility bit) gets out 0 and lse -inf on every
     CUDA path, and its neighbours are unaffected."""
     attention = _attention()
     _cuda_or_skip(attention)
+    _path_or_skip(attention, path)
     import torch
 
     rng = np.random.default_rng()
@@ -344,6 +371,7 @@ def test_cuda_kimi_shape_long_prefix(path, dtype):
     version once drifted to 2.7e-5 here on the H200), per path."""
     attention = _attention()
     _cuda_or_skip(attention)
+    _path_or_skip(attention, path)
     import torch
 
     seed = int(np.random.SeedSequence().entropy % 2**32)
