@@ -288,6 +288,62 @@ def _time_graph(device, make_fn, call_s):
     return {"median": float(np.median(samples)), "calls": n, "replays": len(samples)}
 
 
+def _attention_path(lib, device, a, bs, prefix, tree, path, case, w, pick, ref, seed, timer,
+                    ceil) -> dict:
+    """One path or peer on the case's inputs: validated, then timed (kernel alone and one call)."""
+    ref_out, ref_lse, checked = ref
+    if path in PEERS:
+        peer = _peer_fn(path, a, bs, prefix, tree)
+        res = {}
+
+        def run_once():
+            res["out"] = peer()
+        run_once()
+
+        def make():  # built on the capture stream (its masks and views)
+            return _peer_fn(path, a, bs, prefix, tree)
+        got = {"out": (pick(res["out"]).astype(np.float64), ref_out)}
+    else:
+        prep = prepare_verify_attention(lib, device, a, bs, tree, prefix)
+
+        def run_once():
+            with _forced(path):
+                prep.run()
+
+        def make():
+            p2 = prepare_verify_attention(lib, device, a, bs, tree, prefix)  # capture stream
+
+            def fn():
+                with _forced(path):
+                    p2.run()
+            return fn
+        run_once()
+        got = {"out": (pick(prep.outputs["out"]), ref_out),
+               "lse": (pick(prep.outputs["lse"]), ref_lse)}
+    _sync(device)
+    v = check_close(got, (PEER_TOL if path in PEERS else ATTENTION_TOL)[case["dtype"]], checked)
+    if not v["ok"]:
+        return _record("verify_attention", device, case, v, seed=seed)
+    samples = timer(run_once)
+    call_med = summarize(samples)["median"]
+    g = _time_graph(device, make, call_med)
+    kern = g["median"] if g else call_med
+    gbs, tfs = w["bytes"] / kern / 1e9, w["flops"] / kern / 1e12
+    rates = {
+        "kernel_s": _rate(kern, "s", f"CUDA graph of N = {g['calls']} calls / N, median of "
+                          f"{g['replays']} replays" if g else "median of one call"),
+        "GB_per_s": _rate(gbs, "GB/s", "bytes / kernel_s; " + w_formula("bytes")),
+        "TFLOP_per_s": _rate(tfs, "TFLOP/s", "flops / kernel_s; " + w_formula("flops")),
+        "frac_copy_ceiling": _rate(gbs / ceil["copy"]["value"], "fraction",
+                                   "GB_per_s / ceilings.copy (device copy, read + write)"),
+        "frac_matmul_ceiling": _rate(tfs / ceil["matmul"]["value"], "fraction",
+                                     f"TFLOP_per_s / ceilings.matmul ({ceil['matmul']['params']['dtype']})"),
+    }
+    rec = _record("verify_attention", device, case, v, samples, rates, seed)
+    rec["work"] = w
+    return rec
+
+
 def _attention_case(lib, device, bs, prefix, tree, dtype, seed, timer, ceil) -> list:
     """Every path and peer on one set of inputs: validated against the float64 reference on
     the buffers the timed call writes, then timed (kernel alone and one call)."""
@@ -320,64 +376,22 @@ def _attention_case(lib, device, bs, prefix, tree, dtype, seed, timer, ceil) -> 
             skipped.append(dict(case, backend=device, why=why))
             continue
         try:
-            if path in PEERS:
-                peer = _peer_fn(path, a, bs, prefix, tree)
-                res = {}
-
-                def run_once(peer=peer, res=res):
-                    res["out"] = peer()
-                run_once()
-
-                def make(path=path):  # built on the capture stream (its masks and views)
-                    return _peer_fn(path, a, bs, prefix, tree)
-                got = {"out": (pick(res["out"]).astype(np.float64), ref_out)}
-            else:
-                prep = prepare_verify_attention(lib, device, a, bs, tree, prefix)
-
-                def run_once(prep=prep, path=path):
-                    with _forced(path):
-                        prep.run()
-
-                def make(path=path):
-                    p2 = prepare_verify_attention(lib, device, a, bs, tree, prefix)  # capture stream
-
-                    def fn():
-                        with _forced(path):
-                            p2.run()
-                    return fn
-                run_once()
-                got = {"out": (pick(prep.outputs["out"]), ref_out),
-                       "lse": (pick(prep.outputs["lse"]), ref_lse)}
-        except Exception as e:  # a path this build or device cannot run is skipped, else re-raised
+            rec = _attention_path(lib, device, a, bs, prefix, tree, path, case, w, pick,
+                                  (ref_out, ref_lse, checked), seed, timer, ceil)
+        except Exception as e:  # one path's failure must not hide the others' rows
             from engine.native._lib import NativeError
 
-            if isinstance(e, NativeError) and e.status == 2:  # KDT_ERR_UNSUPPORTED
+            if isinstance(e, NativeError) and e.status == 2:  # KDT_ERR_UNSUPPORTED: not this build
                 skipped.append(dict(case, backend=device, why=f"unsupported here: {e}"))
-                continue
-            raise
-        _sync(device)
-        v = check_close(got, (PEER_TOL if path in PEERS else ATTENTION_TOL)[dtype], checked)
-        if not v["ok"]:
-            out.append(_record("verify_attention", device, case, v, seed=seed))
-            continue
-        samples = timer(run_once)
-        call_med = summarize(samples)["median"]
-        g = _time_graph(device, make, call_med)
-        kern = g["median"] if g else call_med
-        gbs, tfs = w["bytes"] / kern / 1e9, w["flops"] / kern / 1e12
-        rates = {
-            "kernel_s": _rate(kern, "s", f"CUDA graph of N = {g['calls']} calls / N, median of "
-                              f"{g['replays']} replays" if g else "median of one call"),
-            "GB_per_s": _rate(gbs, "GB/s", "bytes / kernel_s; " + w_formula("bytes")),
-            "TFLOP_per_s": _rate(tfs, "TFLOP/s", "flops / kernel_s; " + w_formula("flops")),
-            "frac_copy_ceiling": _rate(gbs / ceil["copy"]["value"], "fraction",
-                                       "GB_per_s / ceilings.copy (device copy, read + write)"),
-            "frac_matmul_ceiling": _rate(tfs / ceil["matmul"]["value"], "fraction",
-                                         f"TFLOP_per_s / ceilings.matmul ({ceil['matmul']['params']['dtype']})"),
-        }
-        rec = _record("verify_attention", device, case, v, samples, rates, seed)
-        rec["work"] = w
-        out.append(rec)
+            elif path in PEERS and isinstance(e, torch.OutOfMemoryError):
+                skipped.append(dict(case, backend=device, why=f"out of memory: {e}"[:200]))
+            else:
+                rec = _record("verify_attention", device, case,
+                              {"ok": False, "error": f"{type(e).__name__}: {e}"}, seed=seed)
+                out.append(rec)
+            rec = None
+        if rec is not None:
+            out.append(rec)
         if device == "cuda":
             torch.cuda.empty_cache()
     torch_rec = next((r for r in out if r["case"]["path"] == "torch" and "rates" in r), None)
