@@ -69,6 +69,18 @@ def test_kernels_quick_cpu(ctx):
         w = kernels.attention_work(c["bs"], c["prefix"], c["tree"], c["dtype"], 0, 1)
         assert r["work"]["bytes"] == w["bytes"]  # bytes do not depend on the mask
         assert 0 < r["rates"]["frac_matmul_ceiling"]["value"] < 10
+    # every case has our path and both torch peers, on the same inputs (same seed), with a
+    # speedup over the torch path (exactly 1 for the torch row itself)
+    by_case = {}
+    for r in att:
+        c = r["case"]
+        by_case.setdefault((c["bs"], c["prefix"], c["tree"], c["dtype"]), {})[c["path"]] = r
+    for rows in by_case.values():
+        assert set(rows) == {"cpu", "torch", "sdpa"}, sorted(rows)
+        assert len({r["seed"] for r in rows.values()}) == 1
+        assert rows["torch"]["rates"]["speedup_vs_torch"]["value"] == 1.0
+        for r in rows.values():
+            assert r["rates"]["kernel_s"]["value"] > 0
     assert "reduced attention grid" in out["params"]["timing"]["cpu"]
     assert "verify_attention" in out["table"] and "INVALID" not in out["table"]
 

@@ -1,9 +1,11 @@
-"""libkdtree's tree-verify attention (CPU and CUDA backends) against a float64 reference.
+"""libkdtree's tree-verify attention (CPU and CUDA backends, every CUDA path) against a float64
+reference.
 
 Errors are relative to the reference's magnitude: max|out - ref| / max|ref| over a tensor
-(the same for lse). Bounds: 1e-5 for float32 and bfloat16 caches alike, since a bfloat16 cache
-is compared with the float64 reference computed from the same bf16-rounded inputs and every
-backend accumulates in float32 or wider (the CPU backend in double).
+(the same for lse). Bounds: 1e-5 for float32 caches; 1e-2 for bfloat16 caches (the tensor-core
+paths round the softmax weights P to bfloat16 for the P.V product; the reference is computed on
+the same bf16-rounded inputs). CUDA paths (KDT_VERIFY_PATH, engine.native.attention.PATHS) are
+forced one at a time; the mma path takes bf16 at d_latent 512 / d_rope 64 only.
 """
 
 from __future__ import annotations
@@ -13,7 +15,13 @@ import pytest
 
 pytestmark = pytest.mark.native
 
-TOL = 1e-5
+TOL = {"f32": 1e-5, "bf16": 1e-2}
+
+
+def tolerance(device, dtype, path):
+    """The CPU backend (double) and the SIMT kernels (fp32 on exact bf16 inputs) keep 1e-5 on
+    bf16 caches too; the tensor-core paths (auto on bf16, mma, sm90a) get the bf16 bound."""
+    return TOL["f32"] if device == "cpu" or path == "simt" else TOL[dtype]
 
 
 def _attention():
@@ -74,7 +82,7 @@ def rel_err(out, ref):
     return float(diff.max() / max(np.abs(ref[finite]).max(), 1e-30))
 
 
-def check(attention, case, device, dtype, seed):
+def check(attention, case, device, dtype, seed, path=None):
     import_torch = dtype == "bf16" or device == "cuda"
     q_lat, q_pe, kv, qi, ki, vis, scale = case
     if import_torch:
@@ -83,7 +91,8 @@ def check(attention, case, device, dtype, seed):
         dev = "cuda" if device == "cuda" else "cpu"
         tq, tp, tk = (torch.from_numpy(x).to(tdt).to(dev) for x in (q_lat, q_pe, kv))
         tv, tqi, tki = (torch.from_numpy(x).to(dev) for x in (vis, qi, ki))
-        out, lse = attention.verify_attention(tq, tp, tk, tqi, tki, tv, scale, device=device)
+        out, lse = attention.verify_attention(tq, tp, tk, tqi, tki, tv, scale, device=device,
+                                              path=path)
         out, lse = out.cpu().numpy(), lse.cpu().numpy()
         # the reference sees exactly the rounded inputs the kernel saw
         q_lat, q_pe, kv = (t.float().cpu().numpy() for t in (tq, tp, tk))
@@ -91,8 +100,10 @@ def check(attention, case, device, dtype, seed):
         out, lse = attention.verify_attention(q_lat, q_pe, kv, qi, ki, vis, scale, device=device)
     ref_out, ref_lse = reference_f64(q_lat, q_pe, kv, qi, ki, vis, scale)
     e_out, e_lse = rel_err(out, ref_out), rel_err(lse, ref_lse)
-    assert e_out < TOL and e_lse < TOL, (
-        f"{device}/{dtype}: out rel err {e_out:.3g}, lse rel err {e_lse:.3g} (tol {TOL}); seed {seed}")
+    tol = tolerance(device, dtype, path)
+    assert e_out < tol and e_lse < tol, (
+        f"{device}/{path or 'auto'}/{dtype}: out rel err {e_out:.3g}, lse rel err {e_lse:.3g} "
+        f"(tol {tol}); seed {seed}")
     return e_out, e_lse
 
 
@@ -197,21 +208,121 @@ def _cuda_or_skip(attention):
         pytest.skip("libkdtree.so was built without CUDA (cuda/build.sh --arch cpu)")
 
 
-CUDA_GRID = GRID + [
-    (2, 64, 512, 64, [300, 1000], [17, 64]),  # Kimi-like heads and ranks, ragged
-    (1, 16, 512, 64, [5000], [65]),           # several prefix splits
+KIMI_GRID = [  # the mma path's shape (d_latent 512, d_rope 64): tiles of 16 cache rows, 16 x H rows
+    (2, 64, 512, 64, [300, 1000], [17, 64]),     # Kimi heads, ragged, several splits
+    (1, 16, 512, 64, [5000], [65]),              # many prefix splits, tree past a 64-row tile
+    (3, 3, 512, 64, [0, 37, 16], [1, 5, 33]),    # prefix 0 / 16 / 37, rows not a multiple of 16
+    (5, 64, 512, 64, [0, 37, 100], [1, 17, 64]), # bs x row tiles fills the GPU: one chunk, no merge
+    (4, 64, 512, 64, [4000, 1], [1]),            # the AR step: tree 1, one request = 64 rows
 ]
+CUDA_GRID = GRID + KIMI_GRID
+# (path, dtype) pairs run on every grid case they can take; auto is what callers get.
+CUDA_PATHS = [("auto", "f32"), ("simt", "f32"), ("auto", "bf16"), ("simt", "bf16"), ("mma", "bf16"),
+              ("sm90a", "bf16")]
+TC_ONLY = ("mma", "sm90a")  # paths that take bf16 at d_latent 512 / d_rope 64 only
+
+
+def _path_or_skip(attention, path):
+    """Skips when this build or device cannot run `path` at all (sm90a: not built, not sm_90),
+    with the library's reason; refusals of particular calls are tested elsewhere."""
+    if path != "sm90a":
+        return
+    import torch
+
+    from engine.native._lib import NativeError
+
+    rng = np.random.default_rng(0)
+    q_lat, q_pe, kv, qi, ki, vis, scale = random_case(rng, 1, 1, 512, 64, [16], [1])
+    t = lambda x: torch.from_numpy(x).cuda()  # noqa: E731
+    bf = lambda x: t(x).to(torch.bfloat16)  # noqa: E731
+    try:
+        attention.verify_attention(bf(q_lat), bf(q_pe), bf(kv), t(qi), t(ki), t(vis), scale,
+                                   device="cuda", path=path)
+    except NativeError as e:
+        if e.status == 2:  # KDT_ERR_UNSUPPORTED
+            pytest.skip(f"path {path} unavailable here: {e}")
+        raise
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("bs,H,dl,dr,prefixes,trees", CUDA_GRID)
-@pytest.mark.parametrize("dtype", ["f32", "bf16"])
-def test_cuda_matches_reference(bs, H, dl, dr, prefixes, trees, dtype):
+@pytest.mark.parametrize("path,dtype", CUDA_PATHS)
+def test_cuda_matches_reference(bs, H, dl, dr, prefixes, trees, path, dtype):
     attention = _attention()
     _cuda_or_skip(attention)
+    if path in TC_ONLY and (dl, dr) != (512, 64):
+        pytest.skip(f"the {path} path takes d_latent 512 / d_rope 64 only (refusal of mma: "
+                    "test_cuda_forced_path_errors)")
+    _path_or_skip(attention, path)
     seed = int(np.random.SeedSequence().entropy % 2**32)
     rng = np.random.default_rng(seed)
-    check(attention, random_case(rng, bs, H, dl, dr, prefixes, trees), "cuda", dtype, seed)
+    check(attention, random_case(rng, bs, H, dl, dr, prefixes, trees), "cuda", dtype, seed, path)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("path", ["simt", "mma", "sm90a"])
+def test_cuda_masked_out_row_is_empty_state(path):
+    """A query that sees nothing (prefix 0, no visibility bit) gets out 0 and lse -inf on every
+    CUDA path, and its neighbours are unaffected."""
+    attention = _attention()
+    _cuda_or_skip(attention)
+    _path_or_skip(attention, path)
+    import torch
+
+    rng = np.random.default_rng()
+    q_lat, q_pe, kv, qi, ki, vis, scale = random_case(rng, 1, 4, 512, 64, [0], [3])
+    vis[1] = 0
+    t = lambda x: torch.from_numpy(x).cuda()  # noqa: E731
+    bf = lambda x: t(x).to(torch.bfloat16)  # noqa: E731
+    out, lse = attention.verify_attention(bf(q_lat), bf(q_pe), bf(kv), t(qi), t(ki), t(vis), scale,
+                                          device="cuda", path=path)
+    out, lse = out.cpu().numpy(), lse.cpu().numpy()
+    assert np.all(out[1] == 0) and np.all(lse[1] == -np.inf)
+    assert np.all(np.isfinite(lse[[0, 2]]))
+
+
+@pytest.mark.cuda
+def test_cuda_forced_path_errors():
+    """Forcing a path that cannot take the call fails with the library's reason."""
+    from engine.native._lib import NativeError
+
+    attention = _attention()
+    _cuda_or_skip(attention)
+    import torch
+
+    rng = np.random.default_rng()
+    q_lat, q_pe, kv, qi, ki, vis, scale = random_case(rng, 1, 2, 64, 16, [5], [3])
+    t = lambda x: torch.from_numpy(x).cuda()  # noqa: E731
+    args = [t(x) for x in (q_lat, q_pe, kv, qi, ki, vis)] + [scale]
+    with pytest.raises(NativeError, match="needs a bfloat16 cache"):
+        attention.verify_attention(*args, device="cuda", path="mma")
+    bf = [a.to(torch.bfloat16) for a in args[:3]] + args[3:]
+    with pytest.raises(NativeError, match="d_latent 512 and d_rope 64"):
+        attention.verify_attention(*bf, device="cuda", path="mma")
+    with pytest.raises(NativeError, match="KDT_VERIFY_PATH=cpu but the backend is KDT_BACKEND_CUDA"):
+        attention.verify_attention(*args, device="cuda", path="cpu")
+
+
+def test_cpu_forced_path_errors(monkeypatch):
+    """A CUDA path forced on the CPU backend, an unknown path name (Python) and an unknown
+    KDT_VERIFY_PATH value (the library, read per call) are clear errors; 'cpu' and 'auto' run."""
+    from engine.native._lib import NativeError
+
+    attention = _attention()
+    rng = np.random.default_rng()
+    case = random_case(rng, 1, 2, 32, 8, [3], [2])
+    for path in ("simt", "mma", "sm90a"):
+        with pytest.raises(NativeError, match="forces a CUDA path"):
+            attention.verify_attention(*case, path=path)
+    with pytest.raises(ValueError, match="path = 'fast' is not one of"):
+        attention.verify_attention(*case, path="fast")
+    monkeypatch.setenv("KDT_VERIFY_PATH", "fast")
+    with pytest.raises(NativeError, match="KDT_VERIFY_PATH = 'fast' is not one of"):
+        attention.verify_attention(*case)
+    monkeypatch.delenv("KDT_VERIFY_PATH")
+    a, _ = attention.verify_attention(*case, path="cpu")
+    b, _ = attention.verify_attention(*case, path="auto")
+    assert np.array_equal(a, b)
 
 
 def test_cpu_numpy_bf16_bits_equal_torch_bf16():
@@ -253,13 +364,14 @@ def _dense_f64_cuda(q_lat, q_pe, kv, qi, ki, vis, scale):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype", ["f32", "bf16"])
-def test_cuda_kimi_shape_long_prefix(dtype):
+@pytest.mark.parametrize("path,dtype", CUDA_PATHS)
+def test_cuda_kimi_shape_long_prefix(path, dtype):
     """Kimi K2 attention (64 heads, 512 + 64) with a 32k prefix and a 64-node tree: long
-    chunks per prefix split, where accumulation bias would show (the first tensor-core version
-    drifted to 2.7e-5 here on the H200)."""
+    chunks per prefix split, where accumulation bias would show (a fp32-bound tensor-core
+    version once drifted to 2.7e-5 here on the H200), per path."""
     attention = _attention()
     _cuda_or_skip(attention)
+    _path_or_skip(attention, path)
     import torch
 
     seed = int(np.random.SeedSequence().entropy % 2**32)
@@ -275,10 +387,11 @@ def test_cuda_kimi_shape_long_prefix(dtype):
     scale = 1.8 / np.sqrt(dl + dr)
     dev = lambda a: torch.from_numpy(a).cuda()  # noqa: E731
     out, lse = attention.verify_attention(q_lat, q_pe, kv, dev(qi), dev(ki), dev(vis), scale,
-                                          device="cuda", max_tree=n, max_kv=n + P)
+                                          device="cuda", max_tree=n, max_kv=n + P, path=path)
     ref_out, ref_lse = _dense_f64_cuda(q_lat.float(), q_pe.float(), kv.float(), qi, ki, vis, scale)
     e_out, e_lse = rel_err(out.cpu().numpy(), ref_out), rel_err(lse.cpu().numpy(), ref_lse)
-    assert e_out < TOL and e_lse < TOL, f"{dtype}: out {e_out:.3g}, lse {e_lse:.3g}; seed {seed}"
+    tol = tolerance("cuda", dtype, path)
+    assert e_out < tol and e_lse < tol, f"{path}/{dtype}: out {e_out:.3g}, lse {e_lse:.3g}; seed {seed}"
 
 
 def test_cpu_batched_equals_one_request_at_a_time():

@@ -26,8 +26,13 @@ def _rates(rng):
 def _view(rng):
     tree, med = _tree(rng)
     att = [{"bench": "verify_attention", "backend": "cuda", "summary": {"median": float(rng.uniform(1e-5, 1e-2))},
-            "case": {"bs": bs, "prefix": p, "tree": 64, "dtype": dt}, "rates": _rates(rng)}
-           for dt in ("float32", "bfloat16") for bs in (1, 64) for p in (4096, 32768)]
+            "case": {"bs": bs, "prefix": p, "tree": t, "dtype": dt, "path": path}, "rates": _rates(rng)}
+           for dt in ("float32", "bfloat16") for bs in (1, 64) for p in (4096, 32768) for t in (1, 64)
+           for path in ("simt", "mma", "torch")]
+    for r in att:
+        r["rates"]["kernel_s"] = {"value": r["summary"]["median"] * float(rng.uniform(0.5, 1))}
+        if r["case"]["path"] != "simt":  # rows without a torch time show "-"
+            r["rates"]["speedup_vs_torch"] = {"value": float(rng.uniform(0.1, 20))}
     e2e = []
     for b in (1, 8):
         e2e.append({"backend": "cuda", "batch": b, "mode": "ar", "budget": 0, "drafter": "-",
@@ -64,13 +69,17 @@ def test_meaning_figures(rng):
         assert f"**the CPU backend is faster at {n_cpu}**" in text
     else:
         assert "the CPU backend is faster at none" in text
-    # the attention table: one row per (dtype, bs, prefix), latency and both fractions
+    # the attention table: one row per (dtype, bs, prefix, tree, path): path, kernel time, one
+    # call, TFLOP/s and its fraction, GB/s and its fraction, speedup over the torch path
     for r in att:
         c, rt = r["case"], r["rates"]
-        row = (f"| {c['dtype']} | {c['bs']} | {c['prefix']} | 64 | {rm.us(r['summary']['median'])} | "
-               f"{rt['GB_per_s']['value']:.1f} | {rm.pct(rt['frac_copy_ceiling']['value'])} | ")
+        sp = rt.get("speedup_vs_torch")
+        row = (f"| {c['dtype']} | {c['bs']} | {c['prefix']} | {c['tree']} | {c['path']} | "
+               f"{rm.us(rt['kernel_s']['value'])} | {rm.us(r['summary']['median'])} | "
+               f"{rt['TFLOP_per_s']['value']:.2f} | {rm.pct(rt['frac_matmul_ceiling']['value'])} (bfloat16) | "
+               f"{rt['GB_per_s']['value']:.1f} | {rm.pct(rt['frac_copy_ceiling']['value'])} | "
+               + (f"{sp['value']:.2f}x" if sp else "-") + " |")
         assert row in text, row
-        assert f"{rm.pct(rt['frac_matmul_ceiling']['value'])} (bfloat16) |" in text
     # e2e: each (budget, drafter) row carries both batches' tau, fwd/tok and speedup; no random
     for budget in (15, 255):
         for dr in ("oracle:0.3", "oracle:0.95", "block:trained"):

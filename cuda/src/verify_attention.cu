@@ -1,7 +1,14 @@
 // verify_attention.cu: the CUDA backend of kdt_verify_attention (DDTREE.md section 6).
 //
-// Two kernels on the caller's stream, no host sync, grid sized from max_tree / max_kv only
-// (graph-capturable; the index pointers are read on the device):
+// Paths (VerifyPath, chosen per call by verify_attention_cuda; KDT_VERIFY_PATH forces one):
+//   mma   bf16 caches at d_latent 512 / d_rope 64 (verify_attention_mma.cuh): a pipelined
+//         mma.sync kernel over the request's whole cache (prefix and masked tree tail) per
+//         split-KV chunk, plus an LSE merge kernel when there is more than one chunk.
+//   sm90a the wgmma kernel (verify_attention_sm90a.cu), auto's first choice on sm_90.
+//   simt  any dtype and shape (the fp32 path and the reference for the others), below.
+//
+// SIMT: two kernels on the caller's stream, no host sync, grid sized from max_tree / max_kv
+// only (graph-capturable; the index pointers are read on the device):
 //   1. prefix pass (grid row_tiles x splits x bs): unmasked flash-decoding over one chunk of
 //      the request's committed prefix; writes a normalised partial state (o / d, lse) per
 //      (query, head) row and chunk into the workspace.
@@ -20,19 +27,15 @@
 // score of cache row j. Softmax statistics (kdt::SoftmaxState) are warp-uniform.
 // Accumulation is fp32 throughout (dot products, d, o) with bf16 inputs converted exactly.
 //
-// nvcc 13.0 -O3 -Xptxas -v, SIMT kernels (prefix / tree pass): sm_90 233-237 / 253-255
-// registers, sm_120 189-192 / 255, no spills, 1 block (8 warps) per SM; the tensor-core prefix
-// kernel (verify_attention_tc.cuh): sm_90 255 registers with 348 B of spill stores (128 B stack,
-// L1-resident), sm_120 170 registers, no spills.
+// nvcc 13.0 -O3 -Xptxas -v: SIMT kernels (prefix / tree pass) sm_90 233-237 / 253-255
+// registers, sm_120 189-192 / 255, no spills, 1 block (8 warps) per SM; mma kernel 64 rows x 4
+// stages / 32 rows x 3 stages: sm_90 228 / 227 registers, sm_120 170 / 168, no spills; merge
+// kernel 52 (sm_90) / 62 (sm_120).
 //
-// Measured on the H200 (one run, Kimi K2 shape H 64, 512 + 64, tree 64, bs 1, L2 flushed,
-// median of 30-60 CUDA-event reps): P 4096: fp32 2.55 ms (14.5 TFLOP/s), bf16 tensor cores
-// 0.62 ms (59.5 TFLOP/s), bf16 SIMT 2.74 ms; P 32768: fp32 19.8 ms (14.8 TFLOP/s), bf16 tensor
-// cores 4.41 ms (66 TFLOP/s), bf16 SIMT 20.4 ms. FLOPs = 2 T H (P + T) (2 Dl + Dr); compute
-// bound (0.01-0.03 TB/s of HBM), so these are ~22% of fp32 SIMT peak and ~9% of the measured
-// 751 TFLOP/s bf16 GEMM. Max relative errors vs float64: fp32 3.4e-6, bf16 SIMT 2.6e-6, bf16
-// tensor cores 2.7e-5 at P 32k before the per-tile accumulator fix (verify_attention_tc.cuh),
-// which has not run on a GPU yet.
+// Measured on the H200 before the mma path (one run, Kimi K2 shape H 64, 512 + 64, tree 64,
+// bs 1, L2 flushed): fp32 SIMT 2.55 ms at P 4096 (14.5 TFLOP/s), 19.8 ms at P 32768; the old
+// bf16 tensor-core prefix kernel (hi + lo split of P, recomputed S) 0.62 / 4.41 ms (~60-66
+// TFLOP/s, ~9% of the measured bf16 GEMM). The mma path has not run on a GPU yet.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -319,7 +322,7 @@ __global__ void __launch_bounds__(kThreads) verify_attention_kernel(Params p) {
   }
 }
 
-#include "verify_attention_tc.cuh"
+#include "verify_attention_mma.cuh"
 
 // Raises a kernel's dynamic shared-memory limit once per (kernel, device): cudaFuncSetAttribute
 // is not a stream operation, and calling it only on first use keeps replays of a captured
@@ -337,17 +340,48 @@ cudaError_t ensure_smem_limit(size_t bytes) {
   return e;
 }
 
-// The prefix pass runs on tensor cores for bf16 caches of the production shape (d_latent 512,
-// d_rope 64, 16-byte aligned arrays), else on the SIMT kernel. KDT_VERIFY_ATTENTION_PATH=simt
-// in the environment forces the SIMT kernel (read once per process; for A/B checks).
-bool use_tensor_cores(const Params& prm, bool bf16) {
-  static const bool forced_simt = [] {
-    const char* v = std::getenv("KDT_VERIFY_ATTENTION_PATH");
-    return v != nullptr && std::strcmp(v, "simt") == 0;
-  }();
+// Why the mma.sync path cannot take this call (nullptr when it can): bf16, the MLA shape
+// (512 + 64) and 16-byte aligned arrays (cp.async and the merge's float4 stores).
+const char* mma_unsupported(const Params& prm, bool bf16) {
   auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
-  return bf16 && !forced_simt && prm.dl == tc::kDL && prm.dr == tc::kDR && aligned(prm.q_lat) &&
-         aligned(prm.q_pe) && aligned(prm.kv);
+  if (!bf16) return "it needs a bfloat16 cache (this call is float32)";
+  if (prm.dl != mma::kDL || prm.dr != mma::kDR) return "it needs d_latent 512 and d_rope 64";
+  if (!aligned(prm.q_lat) || !aligned(prm.q_pe) || !aligned(prm.kv) || !aligned(prm.out) ||
+      !aligned(prm.ws_o))
+    return "it needs 16-byte aligned q_lat, q_pe, kv_cache, out and workspace";
+  return nullptr;
+}
+
+// The mma.sync configuration for the current device: 64 rows x 4 stages where a block may
+// use its shared memory (sm_90: 227 KB), else 32 rows x 3 stages (sm_120, sm_86: 99 KB).
+kdt_status launch_mma(const Params& prm, const VerifyAttentionPlan& plan, cudaStream_t stream) {
+  constexpr const char* fn = "kdt_verify_attention";
+  int dev = 0, optin = 0;
+  KDT_CUDA_CHECK(cudaGetDevice(&dev), fn);
+  KDT_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev), fn);
+  const int64_t rows = int64_t(prm.max_tree) * prm.H;
+  if (size_t(optin) >= mma::Big::kSmem) {
+    KDT_CUDA_CHECK((ensure_smem_limit<mma::attention_mma_kernel<4, 4>>(mma::Big::kSmem)), fn);
+    const dim3 grid(unsigned((rows + mma::Big::kRows - 1) / mma::Big::kRows), unsigned(plan.splits),
+                    unsigned(prm.bs));
+    mma::attention_mma_kernel<4, 4><<<grid, mma::Big::kThreads, mma::Big::kSmem, stream>>>(prm);
+  } else if (size_t(optin) >= mma::Small::kSmem) {
+    KDT_CUDA_CHECK((ensure_smem_limit<mma::attention_mma_kernel<2, 3>>(mma::Small::kSmem)), fn);
+    const dim3 grid(unsigned((rows + mma::Small::kRows - 1) / mma::Small::kRows),
+                    unsigned(plan.splits), unsigned(prm.bs));
+    mma::attention_mma_kernel<2, 3><<<grid, mma::Small::kThreads, mma::Small::kSmem, stream>>>(prm);
+  } else {
+    return set_error(KDT_ERR_UNSUPPORTED, fn,
+                     "the mma path needs %zu bytes of shared memory per block; device %d allows %d",
+                     mma::Small::kSmem, dev, optin);
+  }
+  KDT_CUDA_CHECK(cudaGetLastError(), fn);
+  if (plan.splits > 1) {
+    const dim3 grid(unsigned((rows + 7) / 8), 1u, unsigned(prm.bs));
+    mma::merge_kernel<<<grid, 256, 0, stream>>>(prm);
+    KDT_CUDA_CHECK(cudaGetLastError(), fn);
+  }
+  return KDT_OK;
 }
 
 template <typename T>
@@ -364,12 +398,7 @@ kdt_status launch(const Params& prm, const VerifyAttentionPlan& plan, cudaStream
   const cudaError_t limit_tree = ensure_smem_limit<verify_attention_kernel<T, true>>(kSmemMax);
   KDT_CUDA_CHECK(limit_tree, fn);
   const dim3 block(kThreads);
-  if (plan.splits > 0 && use_tensor_cores(prm, sizeof(T) == 2)) {
-    KDT_CUDA_CHECK(ensure_smem_limit<tc::prefix_kernel_tc>(tc::kSmemBytes), fn);
-    const dim3 grid(unsigned(plan.row_tiles_tc), unsigned(plan.splits), unsigned(prm.bs));
-    tc::prefix_kernel_tc<<<grid, block, tc::kSmemBytes, stream>>>(prm);
-    KDT_CUDA_CHECK(cudaGetLastError(), fn);
-  } else if (plan.splits > 0) {
+  if (plan.splits > 0) {
     const dim3 grid(unsigned(plan.row_tiles), unsigned(plan.splits), unsigned(prm.bs));
     prefix_kernel<<<grid, block, smem, stream>>>(prm);
     KDT_CUDA_CHECK(cudaGetLastError(), fn);
@@ -382,15 +411,14 @@ kdt_status launch(const Params& prm, const VerifyAttentionPlan& plan, cudaStream
 
 }  // namespace
 
-kdt_status verify_attention_cuda(const VerifyAttentionArgs& a, void* stream, void* workspace,
-                                 size_t workspace_bytes) {
+kdt_status verify_attention_cuda(const VerifyAttentionArgs& a, VerifyPath path, void* stream,
+                                 void* workspace, size_t workspace_bytes) {
   constexpr const char* fn = "kdt_verify_attention";
   const auto plan = VerifyAttentionPlan::make(a.bs, a.num_heads, a.max_tree, a.max_kv);
   if (plan.splits > 65535 || a.bs > 65535 || plan.row_tiles > 0x7fffffff)
     return set_error(KDT_ERR_UNSUPPORTED, fn,
                      "grid too large for one launch (prefix splits %lld, bs %d, row tiles %lld)",
                      (long long)plan.splits, a.bs, (long long)plan.row_tiles);
-  (void)workspace_bytes;  // checked against the plan by the entry point
   Params prm{};
   prm.q_indptr = a.q_indptr;
   prm.kv_indptr = a.kv_indptr;
@@ -420,7 +448,36 @@ kdt_status verify_attention_cuda(const VerifyAttentionArgs& a, void* stream, voi
   const size_t align = a.dtype == KDT_DTYPE_F32 ? 16 : 8;
   prm.vec = prm.dk % 4 == 0 && reinterpret_cast<uintptr_t>(a.kv_cache) % align == 0;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  return a.dtype == KDT_DTYPE_F32 ? launch<float>(prm, plan, s) : launch<uint16_t>(prm, plan, s);
+  const bool bf16 = a.dtype == KDT_DTYPE_BF16;
+  auto simt = [&] { return bf16 ? launch<uint16_t>(prm, plan, s) : launch<float>(prm, plan, s); };
+  const char* why_not_mma = mma_unsupported(prm, bf16);
+  switch (path) {
+    case VerifyPath::kSimt:
+      return simt();
+    case VerifyPath::kMma:
+      if (why_not_mma)
+        return set_error(KDT_ERR_UNSUPPORTED, fn, "KDT_VERIFY_PATH=mma: the mma path cannot take "
+                         "this call: %s", why_not_mma);
+      return launch_mma(prm, plan, s);
+    case VerifyPath::kSm90a:
+      return verify_attention_sm90a(a, stream, workspace, workspace_bytes);
+    case VerifyPath::kCpu:
+      return set_error(KDT_ERR_INVALID_ARGUMENT, fn,
+                       "KDT_VERIFY_PATH=cpu but the backend is KDT_BACKEND_CUDA (device arrays)");
+    case VerifyPath::kAuto:
+      break;
+  }
+  if (why_not_mma) return simt();
+  int dev = 0, major = 0, minor = 0;
+  KDT_CUDA_CHECK(cudaGetDevice(&dev), fn);
+  KDT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), fn);
+  KDT_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), fn);
+  if (major == 9 && minor == 0) {
+    const kdt_status st = verify_attention_sm90a(a, stream, workspace, workspace_bytes);
+    if (st != KDT_ERR_UNSUPPORTED) return st;
+    clear_error();  // not built for sm_90a (or not this shape): the mma path takes it
+  }
+  return launch_mma(prm, plan, s);
 }
 
 }  // namespace kdt

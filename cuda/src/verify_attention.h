@@ -30,12 +30,17 @@ struct VerifyAttentionArgs {
 // query and the call agree without touching the device (and without the dtype, which the
 // workspace query does not take).
 //   rows of request b = n_b * H (query-head pairs, row = node * H + head);
-//   prefix rows [0, P_b) split into `splits` chunks of `chunk` rows (a multiple of kKvTile).
-// The SIMT kernels tile rows by kRowsPerBlock, the tensor-core prefix kernel by kRowsPerBlockTc;
-// the split count is chosen for the coarser (tensor-core) tiling, so both get enough blocks.
+//   cache rows split into at most `splits` chunks of `chunk` rows (a multiple of kKvTile): the
+//   SIMT path chunks the prefix [0, P_b) (its tree pass merges), the tensor-core paths (mma,
+//   sm90a) the whole [0, kv_len_b) with the tree tail masked in the last chunk(s); both chunk
+//   counts are <= splits because P_b < kv_len_b <= max_kv.
+// The SIMT kernels tile rows by kRowsPerBlock, the tensor-core paths by kRowsPerBlockTc (the
+// mma path uses 32 on parts with 99 KB of shared memory per block); the split count is chosen
+// for the 64-row tiling, so every path gets enough blocks. With splits == 1 the tensor-core
+// paths write out / lse directly and need no merge.
 struct VerifyAttentionPlan {
   static constexpr int kRowsPerBlock = 16;    // SIMT: 8 warps x 2 rows (verify_attention.cu)
-  static constexpr int kRowsPerBlockTc = 64;  // tensor cores: 4 row groups x 16 rows
+  static constexpr int kRowsPerBlockTc = 64;  // tensor cores: 4 row groups x 16 rows (mma, sm90a)
   static constexpr int kKvTile = 32;          // cache rows per shared-memory tile (SIMT)
   static constexpr int kTargetBlocks = 264;   // ~2 waves of an H200's 132 SMs
   static constexpr int kMinChunk = 256;       // below this the partial-state traffic dominates
@@ -69,10 +74,24 @@ struct VerifyAttentionPlan {
   }
 };
 
+// Which implementation runs a call: KDT_VERIFY_PATH=auto|simt|mma|sm90a|cpu in the environment,
+// read on every call (unset or empty: auto). auto picks the fastest path for the device and
+// dtype (CUDA bf16 at 512 + 64: sm90a on sm_90 when built for it, else mma; otherwise simt);
+// the others force one and fail with a clear error when it cannot take the call.
+enum class VerifyPath { kAuto, kCpu, kSimt, kMma, kSm90a };
+// Parses the variable; an unknown value is KDT_ERR_INVALID_ARGUMENT naming it.
+kdt_status verify_path_from_env(VerifyPath* path);
+
 kdt_status verify_attention_cpu(const VerifyAttentionArgs& a);
 #if defined(KDT_WITH_CUDA)
-kdt_status verify_attention_cuda(const VerifyAttentionArgs& a, void* stream, void* workspace,
-                                 size_t workspace_bytes);
+kdt_status verify_attention_cuda(const VerifyAttentionArgs& a, VerifyPath path, void* stream,
+                                 void* workspace, size_t workspace_bytes);
+// The sm_90a wgmma kernel (verify_attention_sm90a.cu): bf16, d_latent 512, d_rope 64, the
+// workspace of VerifyAttentionPlan (split-KV partial states merged by LSE). Returns
+// KDT_ERR_UNSUPPORTED (with kdt_last_error saying why) when the device, the build or the call
+// cannot run it; `auto` then falls back to the mma path.
+kdt_status verify_attention_sm90a(const VerifyAttentionArgs& a, void* stream, void* workspace,
+                                  size_t workspace_bytes);
 #endif
 
 }  // namespace kdt

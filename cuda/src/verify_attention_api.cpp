@@ -1,6 +1,8 @@
 // verify_attention_api.cpp: the C entry points of the tree-verify attention; argument checks
 // in one place (sizes, then pointers, then the CUDA limits), then dispatch to the backend.
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 
 #include "common.h"
 #include "verify_attention.h"
@@ -47,6 +49,26 @@ kdt_status check_indptrs_host(const kdt::VerifyAttentionArgs& a) {
 }
 
 }  // namespace
+
+namespace kdt {
+
+kdt_status verify_path_from_env(VerifyPath* path) {
+  const char* v = std::getenv("KDT_VERIFY_PATH");
+  *path = VerifyPath::kAuto;
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "auto") == 0) return KDT_OK;
+  static const struct { const char* name; VerifyPath path; } kNames[] = {
+      {"cpu", VerifyPath::kCpu}, {"simt", VerifyPath::kSimt}, {"mma", VerifyPath::kMma},
+      {"sm90a", VerifyPath::kSm90a}};
+  for (const auto& n : kNames)
+    if (std::strcmp(v, n.name) == 0) {
+      *path = n.path;
+      return KDT_OK;
+    }
+  return set_error(KDT_ERR_INVALID_ARGUMENT, kFn,
+                   "KDT_VERIFY_PATH = '%s' is not one of auto, simt, mma, sm90a, cpu", v);
+}
+
+}  // namespace kdt
 
 extern "C" {
 
@@ -107,7 +129,12 @@ kdt_status kdt_verify_attention(kdt_backend backend, void* stream, kdt_dtype dty
                              total_q,   total_kv,  max_tree,  max_kv,     q_indptr,
                              kv_indptr, q_lat,     q_pe,      kv_cache,   visibility,
                              vis_words, softmax_scale, out,   lse};
+  kdt::VerifyPath path = kdt::VerifyPath::kAuto;
+  if (kdt_status st = kdt::verify_path_from_env(&path); st != KDT_OK) return st;
   if (backend == KDT_BACKEND_CPU) {
+    KDT_CHECK_ARG(path == kdt::VerifyPath::kAuto || path == kdt::VerifyPath::kCpu, kFn,
+                  "KDT_VERIFY_PATH forces a CUDA path (simt, mma or sm90a) but the backend is "
+                  "KDT_BACKEND_CPU");
     kdt_status st = check_indptrs_host(a);
     if (st != KDT_OK) return st;
     if (total_q == 0) return KDT_OK;
@@ -126,7 +153,7 @@ kdt_status kdt_verify_attention(kdt_backend backend, void* stream, kdt_dtype dty
   KDT_CHECK_ARG(workspace != nullptr || need == 0, kFn, "workspace is NULL but %zu bytes are needed",
                 need);
   if (total_q == 0) return KDT_OK;
-  return kdt::verify_attention_cuda(a, stream, workspace, workspace_bytes);
+  return kdt::verify_attention_cuda(a, path, stream, workspace, workspace_bytes);
 #else
   (void)stream;
   (void)workspace;

@@ -2,10 +2,14 @@
 // (DIR/verify_attention/*.kdtr, float64 expectations on the stored inputs) on the CPU backend
 // and, when a GPU is present, the CUDA backend; plus argument validation.
 //   test_attention --bundles DIR [--seed S]
-// Tolerance: element i passes when |got - ref| <= 1e-5 * max|ref| or |got - ref| / |ref| <= 1e-5
-// (fp32 accumulation against float64 on the same, possibly bf16-rounded, inputs); the line
-// "ATTN <case> <backend> out_rel ... lse_rel ..." prints max|got - ref| / max|ref| per tensor.
+// Tolerance: element i passes when |got - ref| <= tol * max|ref| or |got - ref| / |ref| <= tol,
+// tol = 1e-5 (fp32 accumulation against float64 on the same, possibly bf16-rounded, inputs) for
+// the CPU backend and the SIMT path, 1e-2 for the tensor-core paths on bf16 caches (P is
+// rounded to bf16); the line "ATTN <case> <backend> out_rel ... lse_rel ..." prints
+// max|got - ref| / max|ref| per tensor. The CUDA backend runs once per path that can take the
+// bundle (KDT_VERIFY_PATH = simt, auto, and mma for bf16 at 512 + 64).
 #include <cmath>
+#include <cstdlib>
 
 #include "_harness.hpp"
 
@@ -13,7 +17,8 @@ using namespace kdt_test;
 
 namespace {
 
-constexpr double kTol = 1e-5;
+constexpr double kTolF32 = 1e-5;
+constexpr double kTolBf16TensorCores = 1e-2;
 
 struct Case {
   int32_t bs = 0, H = 0, dl = 0, dr = 0, total_q = 0, total_kv = 0, max_tree = 1, max_kv = 0, W = 0;
@@ -109,7 +114,7 @@ double norm_rel(const std::vector<float>& got, const std::vector<double>& ref) {
 }
 
 std::string compare(const std::string& tag, const Case& c, const std::vector<float>& out,
-                    const std::vector<float>& lse) {
+                    const std::vector<float>& lse, double kTol = kTolF32) {
   double mo = 0, ml = 0;
   for (double v : c.out) if (std::isfinite(v)) mo = std::max(mo, std::fabs(v));
   for (double v : c.lse) if (std::isfinite(v)) ml = std::max(ml, std::fabs(v));
@@ -132,7 +137,7 @@ std::string run_cpu(const Case& c, const std::string& tag) {
   return compare(tag, c, out, lse);
 }
 
-std::string run_cuda(const Case& c, const std::string& tag) {
+std::string run_cuda(const Case& c, const std::string& tag, const std::string& path) {
   DeviceArray<uint8_t> q(c.q_lat), pe(c.q_pe), kv(c.kv);
   DeviceArray<int32_t> qi(c.qi), ki(c.ki);
   DeviceArray<uint32_t> vis(c.vis);
@@ -147,10 +152,12 @@ std::string run_cuda(const Case& c, const std::string& tag) {
                                       c.total_q, c.total_kv, c.max_tree, c.max_kv, qi.get(),
                                       ki.get(), q.get(), pe.get(), kv.get(), vis.get(), c.W,
                                       c.scale, out.get(), lse.get(), ws.get(), ws_bytes);
-  if (s != KDT_OK) return status_message(s, "kdt_verify_attention(cuda)");
+  if (s != KDT_OK) return status_message(s, ("kdt_verify_attention(cuda, " + path + ")").c_str());
   s = kdt_device_synchronize();
   if (s != KDT_OK) return status_message(s, "kdt_device_synchronize");
-  return compare(tag, c, out.to_host(), lse.to_host());
+  const bool tensor_cores = c.dtype == KDT_DTYPE_BF16 && path != "simt";
+  return compare(tag, c, out.to_host(), lse.to_host(),
+                 tensor_cores ? kTolBf16TensorCores : kTolF32);
 }
 
 // Each check: the call must fail with `want` and a message containing `needle`.
@@ -180,6 +187,12 @@ std::string validation() {
   std::vector<int32_t> bad = {0, 1};
   if (!(e = expect_error(call(KDT_BACKEND_CPU, 2, 1, q.data(), bad.data()), KDT_ERR_INVALID_ARGUMENT, "smaller than its tree size")).empty()) return e;
   if (!(e = expect_error(call((kdt_backend)7, 2, 1, q.data(), ki.data()), KDT_ERR_INVALID_ARGUMENT, "backend = 7")).empty()) return e;
+  setenv("KDT_VERIFY_PATH", "mma", 1);
+  e = expect_error(call(KDT_BACKEND_CPU, 2, 1, q.data(), ki.data()), KDT_ERR_INVALID_ARGUMENT, "forces a CUDA path");
+  setenv("KDT_VERIFY_PATH", "fastest", 1);
+  if (e.empty()) e = expect_error(call(KDT_BACKEND_CPU, 2, 1, q.data(), ki.data()), KDT_ERR_INVALID_ARGUMENT, "KDT_VERIFY_PATH = 'fastest'");
+  unsetenv("KDT_VERIFY_PATH");
+  if (!e.empty()) return e;
   if (!kdt_has_cuda() &&
       !(e = expect_error(call(KDT_BACKEND_CUDA, 2, 1, q.data(), ki.data()), KDT_ERR_UNSUPPORTED, "without CUDA")).empty())
     return e;
@@ -201,8 +214,18 @@ int main(int argc, char** argv) {
       continue;
     }
     h.run(name + "/cpu", [&] { return run_cpu(c, name + " cpu"); });
-    if (no_cuda.empty()) h.run(name + "/cuda", [&] { return run_cuda(c, name + " cuda"); });
-    else h.skip(name + "/cuda", no_cuda);
+    std::vector<std::string> paths = {"simt", "auto"};
+    if (c.dtype == KDT_DTYPE_BF16 && c.dl == 512 && c.dr == 64) paths.push_back("mma");
+    for (const std::string& p : paths) {
+      const std::string tag = name + "/cuda-" + p;
+      if (!no_cuda.empty()) {
+        h.skip(tag, no_cuda);
+        continue;
+      }
+      setenv("KDT_VERIFY_PATH", p.c_str(), 1);
+      h.run(tag, [&] { return run_cuda(c, name + " cuda-" + p, p); });
+      unsetenv("KDT_VERIFY_PATH");
+    }
   }
   return h.finish();
 }

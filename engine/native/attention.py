@@ -15,12 +15,20 @@ dtypes: float32 (numpy or torch), torch.bfloat16, or numpy uint16 holding raw bf
 All array arguments are one kind (numpy or torch, engine.native._lib.Call); outputs follow it.
 torch CUDA tensors run on torch's current stream with no host sync, provided max_tree and
 max_kv are given (else the index pointers are read back to size the grid).
+
+Paths (which implementation runs; `path=` or KDT_VERIFY_PATH in the environment, read by the
+library on every call): "auto" (default: the fastest for the device and dtype), "cpu" (the CPU
+backend, double precision), "simt" (CUDA fp32 SIMT kernels, any shape), "mma" (CUDA mma.sync
+tensor cores: bfloat16, d_latent 512, d_rope 64), "sm90a" (CUDA wgmma, H100/H200 builds with
+sm_90a). A path that cannot take the call raises with the library's reason.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
+import os
 
 import numpy as np
 
@@ -29,7 +37,29 @@ from ._lib import Call, DeviceBuffer, _is_torch, _torch, library
 FN = "kdt_verify_attention"
 DTYPE_F32, DTYPE_BF16 = 0, 1  # kdt_dtype
 
+PATHS = ("auto", "cpu", "simt", "mma", "sm90a")
+CUDA_PATHS = ("simt", "mma", "sm90a")
 _SIG_SET = False
+
+
+@contextlib.contextmanager
+def forced_path(path: str | None):
+    """KDT_VERIFY_PATH set to `path` for the duration of a call (None: left as it is). The
+    variable is process-wide: do not race it from several threads."""
+    if path is None:
+        yield
+        return
+    if path not in PATHS:
+        raise ValueError(f"{FN}: path = {path!r} is not one of {', '.join(PATHS)}")
+    old = os.environ.get("KDT_VERIFY_PATH")
+    os.environ["KDT_VERIFY_PATH"] = path
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["KDT_VERIFY_PATH"]
+        else:
+            os.environ["KDT_VERIFY_PATH"] = old
 
 
 def _lib():
@@ -100,8 +130,9 @@ def check_indptrs(q_indptr: np.ndarray, kv_indptr: np.ndarray, total_q: int, tot
 
 def verify_attention(q_lat, q_pe, kv_cache, q_indptr, kv_indptr, visibility, softmax_scale,
                      device: str = "cpu", *, max_tree: int | None = None,
-                     max_kv: int | None = None):
-    """Returns (out, lse) as described in the module docstring, computed on `device`."""
+                     max_kv: int | None = None, path: str | None = None):
+    """Returns (out, lse) as described in the module docstring, computed on `device` by `path`
+    (None: KDT_VERIFY_PATH as set, else auto)."""
     lib = _lib()
     call = Call(lib, FN, device)
     for name, x in (("q_lat", q_lat), ("q_pe", q_pe), ("kv_cache", kv_cache)):
@@ -154,9 +185,10 @@ def verify_attention(q_lat, q_pe, kv_cache, q_indptr, kv_indptr, visibility, sof
         else:
             ws = DeviceBuffer(lib, ws_bytes)
             p_ws = ws.ptr
-    res = call.run(call.backend, call.stream, dtype, bs, H, d_latent, d_rope, total_q, total_kv,
-                   max_tree, max_kv, p_qi, p_ki, p_q_lat, p_q_pe, p_kv, p_vis, W, scale, p_out,
-                   p_lse, p_ws, ws_bytes)
+    with forced_path(path):
+        res = call.run(call.backend, call.stream, dtype, bs, H, d_latent, d_rope, total_q,
+                       total_kv, max_tree, max_kv, p_qi, p_ki, p_q_lat, p_q_pe, p_kv, p_vis, W,
+                       scale, p_out, p_lse, p_ws, ws_bytes)
     if isinstance(ws, DeviceBuffer):
         ws.close()
     return res["out"], res["lse"]

@@ -74,11 +74,17 @@ def plots(view, runs, docs_dir: Path, host: str) -> list:
     att = list(timed(view["suites"].get("kernels"), "verify_attention"))
     if att:
         fig, ax = plt.subplots(figsize=(6, 3.8))
-        keys = sorted({(r["backend"], r["case"]["dtype"], r["case"]["bs"], r["case"]["tree"]) for r in att})
-        for be, dt, bs, tree in keys:
-            pts = sorted((r["case"]["prefix"], r["summary"]["median"] * 1e6) for r in att
-                         if (r["backend"], r["case"]["dtype"], r["case"]["bs"], r["case"]["tree"]) == (be, dt, bs, tree))
-            ax.plot(*zip(*pts), marker=".", label=f"{be} {dt} bs{bs} T{tree}")
+        # bf16 at the largest tree where present (the production case), one line per path and bs
+        if any(r["case"]["dtype"] == "bfloat16" for r in att):
+            att = [r for r in att if r["case"]["dtype"] == "bfloat16"]
+        t_max = max(r["case"]["tree"] for r in att)
+        att = [r for r in att if r["case"]["tree"] == t_max]
+        key = lambda r: (r["backend"], r["case"]["dtype"], r["case"]["bs"], r["case"]["tree"],  # noqa: E731
+                         r["case"].get("path", "auto"))
+        for k in sorted({key(r) for r in att}):
+            be, dt, bs, tree, path = k
+            pts = sorted((r["case"]["prefix"], r["summary"]["median"] * 1e6) for r in att if key(r) == k)
+            ax.plot(*zip(*pts), marker=".", label=f"{be} {dt} bs{bs} T{tree} {path}")
         ax.set(xscale="log", yscale="log", xlabel="prefix length", ylabel="verify attention, median us",
                title="verify attention (one layer)")
         ax.legend(fontsize=5, ncol=2)

@@ -12,7 +12,20 @@ from pathlib import Path
 
 KIMI_LAYERS = 61  # Kimi K2 / DeepSeek-V3 decoder layers: one verify attention per layer per step
 HEAD_BS, HEAD_BUDGETS = (1, 64), (15, 255)  # the tree build's headline grid
-ATT_GRID = {"dtype": ("float32", "bfloat16"), "bs": (1, 64), "prefix": (4096, 32768), "tree": 64}
+ATT_GRID = {"dtype": ("float32", "bfloat16"), "bs": (1, 64), "prefix": (4096, 32768), "tree": (1, 64)}
+# Row order of the attention paths: ours (KDT_VERIFY_PATH values; records before paths were
+# recorded are the auto path), then the torch peers (bench/kernels.py).
+ATT_PATHS = ("auto", "cpu", "simt", "mma", "sm90a", "torch", "sdpa")
+ATT_PEERS = ("torch", "sdpa")
+
+
+def att_path(r) -> str:
+    return r["case"].get("path", "auto")
+
+
+def att_kernel_s(r) -> float:
+    """Kernel-alone time (CUDA graph of N calls / N) where recorded, else the one-call median."""
+    return ((r.get("rates") or {}).get("kernel_s") or {}).get("value") or r["summary"]["median"]
 
 
 # ---------------------------------------------------------------- records ----------------
@@ -221,38 +234,49 @@ def _attention_lines(view) -> list:
     out = []
     rows = []
     dev = "cuda" if any(r["backend"] == "cuda" for r in att) else att[0]["backend"]
+    order = {p: i for i, p in enumerate(ATT_PATHS)}
     for dtype in ATT_GRID["dtype"]:
         for bs in ATT_GRID["bs"]:
             for prefix in ATT_GRID["prefix"]:
-                r = next((r for r in att if r["backend"] == dev and r["case"].get("dtype") == dtype
-                          and r["case"].get("bs") == bs and r["case"].get("prefix") == prefix
-                          and r["case"].get("tree") == ATT_GRID["tree"]), None)
-                if r is None:
-                    continue
-                rt = r.get("rates") or {}
-                v = lambda k: (rt.get(k) or {}).get("value")  # noqa: E731
-                mm_formula = (rt.get("frac_matmul_ceiling") or {}).get("formula", "")
-                mm_dtype = mm_formula.split("(")[-1].rstrip(")") if "(" in mm_formula else "?"
-                rows.append(f"| {dtype} | {bs} | {prefix} | {ATT_GRID['tree']} | {us(r['summary']['median'])} | "
-                            f"{v('GB_per_s') or 0:.1f} | {pct(v('frac_copy_ceiling') or 0)} | "
-                            f"{v('TFLOP_per_s') or 0:.2f} | {pct(v('frac_matmul_ceiling') or 0)} ({mm_dtype}) |")
+                for tree in ATT_GRID["tree"]:
+                    rs = sorted((r for r in att if r["backend"] == dev and r["case"].get("dtype") == dtype
+                                 and r["case"].get("bs") == bs and r["case"].get("prefix") == prefix
+                                 and r["case"].get("tree") == tree),
+                                key=lambda r: order.get(att_path(r), len(order)))
+                    for r in rs:
+                        rt = r.get("rates") or {}
+                        v = lambda k: (rt.get(k) or {}).get("value")  # noqa: E731
+                        mm_formula = (rt.get("frac_matmul_ceiling") or {}).get("formula", "")
+                        mm_dtype = mm_formula.split("(")[-1].rstrip(")") if "(" in mm_formula else "?"
+                        sp = v("speedup_vs_torch")
+                        rows.append(f"| {dtype} | {bs} | {prefix} | {tree} | {att_path(r)} | "
+                                    f"{us(att_kernel_s(r))} | {us(r['summary']['median'])} | "
+                                    f"{v('TFLOP_per_s') or 0:.2f} | {pct(v('frac_matmul_ceiling') or 0)} ({mm_dtype}) | "
+                                    f"{v('GB_per_s') or 0:.1f} | {pct(v('frac_copy_ceiling') or 0)} | "
+                                    + (f"{sp:.2f}x" if sp else "-") + " |")
     if rows:
         c = ceilings(view).get(dev) or {}
         cc, cm = (c.get("copy") or {}).get("value"), (c.get("matmul") or {}).get("value")
         out += [f"Verify attention at the Kimi K2 shape ({dev}, one layer, 64 heads, latent 512 + "
-                f"rope 64{_src(view, 'kernels')}); fractions of this run's measured ceilings"
+                f"rope 64{_src(view, 'kernels')}), per path on the same inputs (ours forced by "
+                "KDT_VERIFY_PATH; torch = bmm, masked fill, softmax, bmm; sdpa = "
+                "scaled_dot_product_attention with a boolean mask); kernel = a CUDA graph of N calls / N, "
+                "one call = between events with L2 flushed; rates from the kernel time, as fractions of "
+                "this run's measured ceilings"
                 + (f" (copy {cc:.0f} GB/s read + write, matmul {cm:.0f} TFLOP/s)" if cc and cm else "") + ":",
-                "", "| cache | bs | prefix | tree | median | GB/s | of copy ceiling | TFLOP/s | of matmul ceiling |",
-                "|---|--:|--:|--:|--:|--:|--:|--:|--:|"] + rows + [""]
+                "", "| cache | bs | prefix | tree | path | kernel | one call | TFLOP/s | of matmul ceiling "
+                "| GB/s | of copy ceiling | vs torch |",
+                "|---|--:|--:|--:|---|--:|--:|--:|--:|--:|--:|--:|"] + rows + [""]
     if recs_t and nat:
         # The Kimi K2 shape: a step is bounded below by its verify attention alone.
         for bs, budget, tree in ((1, 15, 16), (64, 63, 64)):
             cands = [r for r in att if r["case"]["bs"] == bs and r["case"]["tree"] == tree
-                     and r["case"]["dtype"] == "bfloat16"]
+                     and r["case"]["dtype"] == "bfloat16" and att_path(r) not in ATT_PEERS]
             t_nat = median(recs_t, nat, bs, budget)
             if not cands or not t_nat:
                 continue
-            a = max(cands, key=lambda r: r["case"]["prefix"])
+            top = max(r["case"]["prefix"] for r in cands)  # the fastest of our paths there
+            a = min((r for r in cands if r["case"]["prefix"] == top), key=lambda r: r["summary"]["median"])
             step_att = KIMI_LAYERS * a["summary"]["median"]
             t_sg = median(recs_t, sg, bs, budget) if sg else None
             out.append(
@@ -264,13 +288,14 @@ def _attention_lines(view) -> list:
                 + ".")
     by_dev = {}
     for r in att:
-        by_dev.setdefault((r["backend"], r["case"]["dtype"]), []).append(r)
-    for (d, dtype), rs in sorted(by_dev.items()):
+        if r.get("rates"):
+            by_dev.setdefault((r["backend"], r["case"]["dtype"], att_path(r)), []).append(r)
+    for (d, dtype, path), rs in sorted(by_dev.items()):
         best_mm = max(rs, key=lambda r: r["rates"]["frac_matmul_ceiling"]["value"])
         best_bw = max(rs, key=lambda r: r["rates"]["frac_copy_ceiling"]["value"])
         c1, c2 = best_mm["case"], best_bw["case"]
         out.append(
-            f"- Verify attention ({d}, {dtype} cache), whole grid: up to "
+            f"- Verify attention ({d}, {dtype} cache, path {path}), whole grid: up to "
             f"{pct(best_mm['rates']['frac_matmul_ceiling']['value'])} of the measured matmul "
             f"ceiling ({best_mm['rates']['TFLOP_per_s']['value']:.2f} TFLOP/s at bs {c1['bs']}, "
             f"P {c1['prefix']}, T {c1['tree']}) and "
