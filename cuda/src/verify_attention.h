@@ -73,6 +73,11 @@ kdt_status verify_attention_cpu(const VerifyAttentionArgs& a);
 #if defined(KDT_WITH_CUDA)
 kdt_status verify_attention_cuda(const VerifyAttentionArgs& a, void* stream, void* workspace,
                                  size_t workspace_bytes);
+// The Hopper path (verify_attention_sm90a.cu): bf16, d_latent 512, d_rope 64; returns
+// KDT_ERR_UNSUPPORTED (kdt_last_error says why) for other shapes, dtypes, devices and builds
+// without sm_90a code, so that the caller can fall back. Same workspace as the plan above.
+kdt_status verify_attention_sm90a(const VerifyAttentionArgs& a, void* stream, void* workspace,
+                                  size_t workspace_bytes);
 #endif
 
 }  // namespace kdt

@@ -1,0 +1,285 @@
+"""Check and time the sm90a (Hopper wgmma) verify-attention path on its own.
+
+    KDTREE_LIB=build/h200/libkdtree.so python3 -m bench.sm90a_attention [--check] [--time]
+
+Calls the library's temporary entry kdt_verify_attention_sm90a_debug (same arguments as
+kdt_verify_attention, the sm90a kernel only, KDT_ERR_UNSUPPORTED where it cannot run) on
+torch CUDA tensors.
+--check: fresh random bf16 inputs (seed printed) at the MLA shape (d_latent 512, d_rope 64),
+  ragged batches, tree sizes and prefixes that are not multiples of the 64-row tile, prefix 0,
+  split and unsplit key ranges, head counts 16 / 20 / 64 / 128, a query that sees nothing;
+  each against engine.reference.mla's float64 reference on the same rounded inputs. Prints
+  PASS / FAIL with the max relative errors (max |x - ref| / max |ref|; bound 1e-2).
+--time: a CUDA graph of N calls, time / N, for bs 1 / 16 / 64, prefix 4096 / 32768, tree
+  1 / 16 / 64 at 64 heads, for the sm90a path and kdt_verify_attention's default CUDA path on
+  the same inputs. FLOPs = 2 T H (P + T) (2 Dl + Dr) per request; cache bytes = rows x 1152.
+Exit status 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import sys
+
+import numpy as np
+
+DL, DR, DK = 512, 64, 576
+TOL = 1e-2
+KDT_BACKEND_CUDA = 1
+KDT_DTYPE_BF16 = 1
+
+
+def load_library(path: str | None):
+    if path is None:
+        path = os.environ.get("KDTREE_LIB")
+    if path is None:
+        from engine.native._lib import find_library_path
+
+        path = str(find_library_path())
+    lib = ctypes.CDLL(path)
+    args = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_int32] * 8 + \
+        [ctypes.c_void_p] * 6 + [ctypes.c_int32, ctypes.c_float, ctypes.c_void_p,
+                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    for name in ("kdt_verify_attention", "kdt_verify_attention_sm90a_debug"):
+        getattr(lib, name).argtypes = args
+        getattr(lib, name).restype = ctypes.c_int
+    lib.kdt_verify_attention_workspace_size.argtypes = [ctypes.c_int] + [ctypes.c_int32] * 6
+    lib.kdt_verify_attention_workspace_size.restype = ctypes.c_size_t
+    lib.kdt_last_error.restype = ctypes.c_char_p
+    return lib
+
+
+def random_tree_visibility(rng, n: int, words: int) -> np.ndarray:
+    """[n, words] uint32 ancestor-or-self bits of a random tree (parents precede children)."""
+    vis = np.zeros((n, words), np.uint32)
+    anc: list[set[int]] = [set() for _ in range(n)]
+    for i in range(1, n):
+        p = int(rng.integers(0, i))
+        anc[i] = anc[p] | {p}
+    for i in range(n):
+        for j in anc[i] | {i}:
+            vis[i, j // 32] |= np.uint32(1 << (j % 32))
+    return vis
+
+
+class Case:
+    """One ragged batch on the GPU: request b has prefix P_b and tree n_b."""
+
+    def __init__(self, torch, rng, H: int, prefixes, trees, scale: float | None = None):
+        ns, ps = list(trees), list(prefixes)
+        self.H, self.bs = H, len(ns)
+        self.max_tree = max(ns)
+        self.max_kv = max(n + p for n, p in zip(ns, ps))
+        self.words = (self.max_tree + 31) // 32
+        qi = np.concatenate([[0], np.cumsum(ns)]).astype(np.int32)
+        ki = np.concatenate([[0], np.cumsum([n + p for n, p in zip(ns, ps)])]).astype(np.int32)
+        self.total_q, self.total_kv = int(qi[-1]), int(ki[-1])
+        vis = np.concatenate([random_tree_visibility(rng, n, self.words) for n in ns])
+        self.ns, self.ps = ns, ps
+        dev = "cuda"
+        g = torch.Generator(device=dev)
+        g.manual_seed(int(rng.integers(0, 2**62)))
+        bf = torch.bfloat16
+        self.q_lat = torch.randn(self.total_q, H, DL, generator=g, device=dev).to(bf)
+        self.q_pe = torch.randn(self.total_q, H, DR, generator=g, device=dev).to(bf)
+        self.kv = torch.randn(self.total_kv, DK, generator=g, device=dev).to(bf)
+        self.qi = torch.from_numpy(qi).to(dev)
+        self.ki = torch.from_numpy(ki).to(dev)
+        self.vis_np = vis
+        self.vis = torch.from_numpy(vis.view(np.int32)).to(dev)
+        self.scale = float(scale if scale is not None else 1.0 / np.sqrt(DK))
+        self.out = torch.empty(self.total_q, H, DL, device=dev, dtype=torch.float32)
+        self.lse = torch.empty(self.total_q, H, device=dev, dtype=torch.float32)
+        self.torch = torch
+
+    def set_visibility(self, vis: np.ndarray) -> None:
+        self.vis_np = vis
+        self.vis = self.torch.from_numpy(vis.view(np.int32)).to("cuda")
+
+    def call(self, lib, fn: str, ws) -> None:
+        torch = self.torch
+        stream = torch.cuda.current_stream().cuda_stream
+        st = getattr(lib, fn)(
+            KDT_BACKEND_CUDA, ctypes.c_void_p(stream), KDT_DTYPE_BF16, self.bs, self.H, DL, DR,
+            self.total_q, self.total_kv, self.max_tree, self.max_kv, self.qi.data_ptr(),
+            self.ki.data_ptr(), self.q_lat.data_ptr(), self.q_pe.data_ptr(), self.kv.data_ptr(),
+            self.vis.data_ptr(), self.words, self.scale, self.out.data_ptr(),
+            self.lse.data_ptr(), ws.data_ptr() if ws is not None else None,
+            ws.numel() if ws is not None else 0)
+        if st != 0:
+            raise RuntimeError(f"{fn}: status {st}: {lib.kdt_last_error().decode()}")
+
+    def workspace(self, lib):
+        n = lib.kdt_verify_attention_workspace_size(KDT_BACKEND_CUDA, self.bs, self.H, DL,
+                                                     self.total_q, self.max_tree, self.max_kv)
+        return self.torch.empty(max(int(n), 16), dtype=self.torch.uint8, device="cuda")
+
+    def flops(self) -> float:
+        return sum(2.0 * n * self.H * (p + n) * (2 * DL + DR) for n, p in zip(self.ns, self.ps))
+
+    def cache_bytes(self) -> float:
+        return float(self.total_kv) * DK * 2
+
+
+def rel_err(out, ref) -> float:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    finite = np.isfinite(ref)
+    if not np.array_equal(finite, np.isfinite(out)):
+        return float("inf")
+    if not finite.any():
+        return 0.0
+    return float(np.abs(out[finite] - ref[finite]).max() / max(np.abs(ref[finite]).max(), 1e-30))
+
+
+def check_case(lib, case: Case) -> tuple[float, float]:
+    from engine.reference.mla import verify_attention_ragged
+
+    ws = case.workspace(lib)
+    case.out.fill_(float("nan"))
+    case.lse.fill_(float("nan"))
+    case.call(lib, "kdt_verify_attention_sm90a_debug", ws)
+    case.torch.cuda.synchronize()
+    to_np = lambda t: t.float().cpu().numpy()  # noqa: E731
+    ref_out, ref_lse = verify_attention_ragged(
+        to_np(case.q_lat), to_np(case.q_pe), to_np(case.kv), case.qi.cpu().numpy(),
+        case.ki.cpu().numpy(), case.vis_np, case.scale)
+    return rel_err(to_np(case.out), ref_out), rel_err(to_np(case.lse), ref_lse)
+
+
+CHECKS = [  # (name, H, prefixes, trees)
+    ("ragged bs3 H64 P 0/100/1000 T 1/37/5", 64, [0, 100, 1000], [1, 37, 5]),
+    ("split bs1 H64 P4113 T64", 64, [4113], [64]),
+    ("split bs1 H64 P3000 T1 (AR step)", 64, [3000], [1]),
+    ("split ragged bs2 H64 P 2000/700 T 3/64", 64, [2000, 700], [3, 64]),
+    ("unsplit bs8 H64 T64 P 0..300", 64, [0, 17, 64, 65, 128, 200, 257, 300], [64] * 8),
+    ("H16 bs2 P 77/0 T 13/40 (tile spans nodes, 2 vis words)", 16, [77, 0], [13, 40]),
+    ("H20 bs2 P 64/200 T 7/33", 20, [64, 200], [7, 33]),
+    ("H128 bs1 P130 T9 (2 tiles a node)", 128, [130], [9]),
+]
+
+
+def run_checks(lib, torch, seed: int) -> bool:
+    rng = np.random.default_rng(seed)
+    ok = True
+    print(f"sm90a check: seed {seed}, bound {TOL}")
+    for name, H, ps, ns in CHECKS:
+        case = Case(torch, rng, H, ps, ns)
+        try:
+            e_out, e_lse = check_case(lib, case)
+        except RuntimeError as e:
+            print(f"FAIL  {name}: {e}")
+            ok = False
+            continue
+        good = e_out < TOL and e_lse < TOL
+        ok &= good
+        print(f"{'PASS' if good else 'FAIL'}  {name}: out rel err {e_out:.3g}, lse rel err {e_lse:.3g}")
+    # a query that sees nothing (no prefix, no visibility bit): out 0, lse -inf
+    case = Case(torch, rng, 64, [0], [3])
+    vis = case.vis_np.copy()
+    vis[1] = 0
+    case.set_visibility(vis)
+    try:
+        e_out, e_lse = check_case(lib, case)
+        out, lse = case.out.cpu().numpy(), case.lse.cpu().numpy()
+        good = (e_out < TOL and e_lse < TOL and np.all(out[1] == 0) and np.all(lse[1] == -np.inf)
+                and np.all(np.isfinite(lse[[0, 2]])))
+        print(f"{'PASS' if good else 'FAIL'}  masked-out row (P0 T3, row 1 sees nothing): "
+              f"out rel err {e_out:.3g}, lse rel err {e_lse:.3g}")
+    except RuntimeError as e:
+        print(f"FAIL  masked-out row: {e}")
+        good = False
+    ok &= good
+    # shapes / dtypes the path does not take are refused, not computed
+    st = lib.kdt_verify_attention_sm90a_debug(
+        KDT_BACKEND_CUDA, None, 0, 1, 64, DL, DR, 1, 1, 1, 1, case.qi.data_ptr(),
+        case.ki.data_ptr(), case.q_lat.data_ptr(), case.q_pe.data_ptr(), case.kv.data_ptr(),
+        case.vis.data_ptr(), 1, 1.0, case.out.data_ptr(), case.lse.data_ptr(), None, 0)
+    msg = lib.kdt_last_error().decode()
+    good = st == 2 and "bf16" in msg
+    ok &= good
+    print(f"{'PASS' if good else 'FAIL'}  float32 cache refused: status {st} ({msg})")
+    print("sm90a check:", "PASS" if ok else "FAIL")
+    return ok
+
+
+def time_graph(torch, fn, target_s: float = 0.25) -> float:
+    """Seconds per call: N calls captured in one CUDA graph, replayed, time / N."""
+    fn()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    fn()
+    e.record()
+    torch.cuda.synchronize()
+    one = max(s.elapsed_time(e) / 1e3, 1e-6)
+    n = int(max(2, min(50, target_s / one)))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(n):
+                fn()
+    torch.cuda.synchronize()
+    graph.replay()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(3):
+        s.record()
+        graph.replay()
+        e.record()
+        torch.cuda.synchronize()
+        best = min(best, s.elapsed_time(e) / 1e3 / n)
+    return best
+
+
+def run_timing(lib, torch) -> None:
+    rng = np.random.default_rng(0)
+    print("sm90a timing (H 64, 512 + 64, bf16; CUDA graph of N calls / N; best of 3 replays)")
+    print(f"{'bs':>3} {'prefix':>6} {'tree':>4} | {'sm90a ms':>9} {'TFLOP/s':>8} {'GB/s':>7} | "
+          f"{'default ms':>10} {'TFLOP/s':>8} | speedup")
+    for bs in (1, 16, 64):
+        for P in (4096, 32768):
+            for T in (1, 16, 64):
+                case = Case(torch, rng, 64, [P] * bs, [T] * bs)
+                ws = case.workspace(lib)
+                try:
+                    t_new = time_graph(torch, lambda: case.call(lib, "kdt_verify_attention_sm90a_debug", ws))
+                except RuntimeError as e:
+                    print(f"{bs:>3} {P:>6} {T:>4} | sm90a failed: {e}")
+                    continue
+                t_old = time_graph(torch, lambda: case.call(lib, "kdt_verify_attention", ws))
+                f, b = case.flops(), case.cache_bytes()
+                print(f"{bs:>3} {P:>6} {T:>4} | {t_new * 1e3:>9.3f} {f / t_new / 1e12:>8.1f} "
+                      f"{b / t_new / 1e9:>7.0f} | {t_old * 1e3:>10.3f} {f / t_old / 1e12:>8.1f} | "
+                      f"{t_old / t_new:.2f}x", flush=True)
+                del case, ws
+                torch.cuda.empty_cache()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lib", default=None, help="libkdtree.so (default: KDTREE_LIB, else build/*)")
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--time", action="store_true")
+    ap.add_argument("--seed", type=int, default=None)
+    a = ap.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("SKIP: no CUDA device")
+        return 0
+    lib = load_library(a.lib)
+    ok = True
+    if a.check or not a.time:
+        seed = a.seed if a.seed is not None else int(np.random.SeedSequence().entropy % 2**32)
+        ok = run_checks(lib, torch, seed)
+    if a.time:
+        run_timing(lib, torch)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
