@@ -541,6 +541,26 @@ bool have_sm90a_code() {
   return ok;
 }
 
+// Key-range splits for `base` CTAs per split (M tiles x requests) on `sms` multiprocessors, at
+// most the plan's count (the workspace is sized by the plan): the count whose waves x (tiles a
+// CTA streams + its fixed cost: Q load, epilogue; more with a partial state to write and merge)
+// is least. One CTA per SM (224 KB of shared memory each).
+int64_t choose_splits(const VerifyAttentionPlan& plan, int64_t base, int32_t max_kv, int sms) {
+  int64_t best = 1, best_cost = INT64_MAX;
+  for (int64_t s = 1; s <= plan.splits; ++s) {
+    const int64_t chunk = ((int64_t(max_kv) + s - 1) / s + kN - 1) / kN * kN;
+    const int64_t used = (int64_t(max_kv) + chunk - 1) / chunk;
+    if (used != s) continue;  // the same split as a smaller count
+    const int64_t waves = (base * s + sms - 1) / sms;
+    const int64_t cost = waves * (chunk / kN + (s > 1 ? 3 : 1));
+    if (cost < best_cost) {
+      best_cost = cost;
+      best = s;
+    }
+  }
+  return best;
+}
+
 }  // namespace
 }  // namespace sm90a
 
@@ -577,8 +597,13 @@ kdt_status verify_attention_sm90a(const VerifyAttentionArgs& a, void* stream, vo
     return set_error(KDT_ERR_UNSUPPORTED, fn,
                      "grid too large for one launch (splits %lld, bs %d, M tiles %lld)",
                      (long long)plan.splits, a.bs, (long long)m_tiles);
+  int sms = 132;
+  KDT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), fn);
+  const int64_t splits = choose_splits(plan, m_tiles * a.bs, a.max_kv, sms);
+  const int64_t chunk = (int64_t(a.max_kv) + splits - 1) / splits;
+  const int64_t chunk_tiled = (chunk + kN - 1) / kN * kN;
   const size_t need = plan.workspace_bytes(a.total_q, a.num_heads, a.d_latent);
-  if (plan.splits > 1 && (workspace == nullptr || workspace_bytes < need))
+  if (splits > 1 && (workspace == nullptr || workspace_bytes < need))
     return set_error(KDT_ERR_INVALID_ARGUMENT, fn,
                      "workspace_bytes = %zu is below the %zu bytes the split prefix needs",
                      workspace_bytes, need);
@@ -600,8 +625,8 @@ kdt_status verify_attention_sm90a(const VerifyAttentionArgs& a, void* stream, vo
   prm.max_tree = a.max_tree;
   prm.max_kv = a.max_kv;
   prm.vis_words = a.vis_words;
-  prm.chunk = plan.chunk;
-  prm.splits = plan.splits;
+  prm.chunk = chunk_tiled;
+  prm.splits = (int64_t(a.max_kv) + chunk_tiled - 1) / chunk_tiled;
   prm.scale_log2 = a.softmax_scale * 1.4426950408889634f;
   static std::atomic<uint64_t> smem_set{0};
   const uint64_t bit = dev < 64 ? (uint64_t(1) << dev) : 0;
@@ -612,10 +637,10 @@ kdt_status verify_attention_sm90a(const VerifyAttentionArgs& a, void* stream, vo
     smem_set.fetch_or(bit, std::memory_order_relaxed);
   }
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  const dim3 grid(unsigned(m_tiles), unsigned(plan.splits), unsigned(a.bs));
+  const dim3 grid(unsigned(m_tiles), unsigned(prm.splits), unsigned(a.bs));
   attention_kernel<<<grid, kThreads, kSmemBytes, s>>>(prm);
   KDT_CUDA_CHECK(cudaGetLastError(), fn);
-  if (plan.splits > 1) {
+  if (prm.splits > 1) {
     const int64_t all_rows = int64_t(a.total_q) * a.num_heads;
     merge_kernel<<<unsigned((all_rows + 7) / 8), 256, 0, s>>>(prm);
     KDT_CUDA_CHECK(cudaGetLastError(), fn);
