@@ -8,7 +8,9 @@ torch CUDA tensors.
 --check: fresh random bf16 inputs (seed printed) at the MLA shape (d_latent 512, d_rope 64),
   ragged batches, tree sizes and prefixes that are not multiples of the 64-row tile, prefix 0,
   split and unsplit key ranges, head counts 16 / 20 / 64 / 128, a query that sees nothing;
-  each against engine.reference.mla's float64 reference on the same rounded inputs. Prints
+  each against a float64 reference on the same rounded inputs, computed on the GPU with
+  engine.reference.mla's semantics (and checked against engine.reference.mla itself on a
+  small ragged case first: numpy's einsum is too slow at these sizes). Prints
   PASS / FAIL with the max relative errors (max |x - ref| / max |ref|; bound 1e-2).
 --time: a CUDA graph of N calls, time / N, for bs 1 / 16 / 64, prefix 4096 / 32768, tree
   1 / 16 / 64 at 64 heads, for the sm90a path and kdt_verify_attention's default CUDA path on
@@ -67,7 +69,8 @@ def random_tree_visibility(rng, n: int, words: int) -> np.ndarray:
 class Case:
     """One ragged batch on the GPU: request b has prefix P_b and tree n_b."""
 
-    def __init__(self, torch, rng, H: int, prefixes, trees, scale: float | None = None):
+    def __init__(self, torch, rng, H: int, prefixes, trees, scale: float | None = None,
+                 device: str = "cuda"):
         ns, ps = list(trees), list(prefixes)
         self.H, self.bs = H, len(ns)
         self.max_tree = max(ns)
@@ -78,7 +81,7 @@ class Case:
         self.total_q, self.total_kv = int(qi[-1]), int(ki[-1])
         vis = np.concatenate([random_tree_visibility(rng, n, self.words) for n in ns])
         self.ns, self.ps = ns, ps
-        dev = "cuda"
+        self.device = dev = device
         g = torch.Generator(device=dev)
         g.manual_seed(int(rng.integers(0, 2**62)))
         bf = torch.bfloat16
@@ -96,7 +99,7 @@ class Case:
 
     def set_visibility(self, vis: np.ndarray) -> None:
         self.vis_np = vis
-        self.vis = self.torch.from_numpy(vis.view(np.int32)).to("cuda")
+        self.vis = self.torch.from_numpy(vis.view(np.int32)).to(self.device)
 
     def call(self, lib, fn: str, ws) -> None:
         torch = self.torch
@@ -114,7 +117,7 @@ class Case:
     def workspace(self, lib):
         n = lib.kdt_verify_attention_workspace_size(KDT_BACKEND_CUDA, self.bs, self.H, DL,
                                                      self.total_q, self.max_tree, self.max_kv)
-        return self.torch.empty(max(int(n), 16), dtype=self.torch.uint8, device="cuda")
+        return self.torch.empty(max(int(n), 16), dtype=self.torch.uint8, device=self.device)
 
     def flops(self) -> float:
         return sum(2.0 * n * self.H * (p + n) * (2 * DL + DR) for n, p in zip(self.ns, self.ps))
@@ -133,19 +136,56 @@ def rel_err(out, ref) -> float:
     return float(np.abs(out[finite] - ref[finite]).max() / max(np.abs(ref[finite]).max(), 1e-30))
 
 
-def check_case(lib, case: Case) -> tuple[float, float]:
+def reference_gpu(case: Case):
+    """engine.reference.mla.verify_attention_ragged's semantics in float64 on the GPU (numpy's
+    einsum would take minutes at these sizes); agreement with it is checked on a small case."""
+    torch = case.torch
+    f64 = torch.float64
+    q_lat, q_pe, kv = case.q_lat.to(f64), case.q_pe.to(f64), case.kv.to(f64)
+    vis = torch.from_numpy(case.vis_np.astype(np.int64)).to(case.device)
+    out = torch.zeros(case.total_q, case.H, DL, dtype=f64, device=case.device)
+    lse = torch.full((case.total_q, case.H), -float("inf"), dtype=f64, device=case.device)
+    q0 = k0 = 0
+    for n, p in zip(case.ns, case.ps):
+        rows = kv[k0:k0 + p + n]
+        s = (torch.einsum("nhd,md->nhm", q_lat[q0:q0 + n], rows[:, :DL]) +
+             torch.einsum("nhd,md->nhm", q_pe[q0:q0 + n], rows[:, DL:])) * case.scale
+        j = torch.arange(n, device=case.device)
+        bits = (vis[q0:q0 + n][:, j // 32] >> (j % 32)) & 1  # [n queries, n tree keys]
+        visible = torch.cat([torch.ones(n, p, dtype=torch.bool, device=case.device), bits.bool()], 1)
+        s = s.masked_fill(~visible[:, None, :], -float("inf"))
+        top = s.amax(dim=2)
+        seen = torch.isfinite(top)
+        shift = torch.where(seen, top, torch.zeros_like(top))
+        w = torch.exp(s - shift[:, :, None])
+        d = w.sum(dim=2)
+        o = torch.einsum("nhm,md->nhd", w, rows[:, :DL]) / d.clamp_min(1e-300)[:, :, None]
+        out[q0:q0 + n] = torch.where(seen[:, :, None], o, torch.zeros_like(o))
+        lse[q0:q0 + n] = torch.where(seen, shift + torch.log(d), torch.full_like(d, -float("inf")))
+        q0, k0 = q0 + n, k0 + p + n
+    return out.cpu().numpy(), lse.cpu().numpy()
+
+
+def reference_agreement(case: Case) -> float:
+    """Max relative difference between reference_gpu and engine.reference.mla (float64)."""
     from engine.reference.mla import verify_attention_ragged
 
+    to_np = lambda t: t.float().cpu().numpy()  # noqa: E731
+    ref_out, ref_lse = verify_attention_ragged(
+        to_np(case.q_lat), to_np(case.q_pe), to_np(case.kv), case.qi.cpu().numpy(),
+        case.ki.cpu().numpy(), case.vis_np, case.scale)
+    g_out, g_lse = reference_gpu(case)
+    return max(rel_err(g_out, ref_out), rel_err(g_lse, ref_lse))
+
+
+def check_case(lib, case: Case) -> tuple[float, float]:
     ws = case.workspace(lib)
     case.out.fill_(float("nan"))
     case.lse.fill_(float("nan"))
     case.call(lib, "kdt_verify_attention_sm90a_debug", ws)
     case.torch.cuda.synchronize()
-    to_np = lambda t: t.float().cpu().numpy()  # noqa: E731
-    ref_out, ref_lse = verify_attention_ragged(
-        to_np(case.q_lat), to_np(case.q_pe), to_np(case.kv), case.qi.cpu().numpy(),
-        case.ki.cpu().numpy(), case.vis_np, case.scale)
-    return rel_err(to_np(case.out), ref_out), rel_err(to_np(case.lse), ref_lse)
+    ref_out, ref_lse = reference_gpu(case)
+    return (rel_err(case.out.cpu().numpy(), ref_out), rel_err(case.lse.cpu().numpy(), ref_lse))
 
 
 CHECKS = [  # (name, H, prefixes, trees)
@@ -164,8 +204,16 @@ CHECKS = [  # (name, H, prefixes, trees)
 
 def run_checks(lib, torch, seed: int) -> bool:
     rng = np.random.default_rng(seed)
-    ok = True
     print(f"sm90a check: seed {seed}, bound {TOL}")
+    small = Case(torch, rng, 4, [5, 0, 40], [3, 7, 33])
+    small_vis = small.vis_np.copy()
+    small_vis[4] = 0  # node 1 of request 1 (no prefix): sees nothing
+    small.set_visibility(small_vis)
+    agree = reference_agreement(small)
+    good = agree < 1e-9
+    ok = good
+    print(f"{'PASS' if good else 'FAIL'}  float64 GPU reference vs engine.reference.mla: "
+          f"max rel diff {agree:.3g}")
     for name, H, ps, ns in CHECKS:
         case = Case(torch, rng, H, ps, ns)
         try:

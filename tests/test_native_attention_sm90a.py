@@ -3,7 +3,8 @@
 Fresh random bf16 inputs at the MLA shape for every case of bench/sm90a_attention.py's CHECKS
 (ragged batches, trees and prefixes that are not multiples of the 64-row tile, prefix 0, split
 and unsplit key ranges, head counts 16 / 20 / 64 / 128), through the library's temporary entry
-kdt_verify_attention_sm90a_debug. Bound: max |x - ref| / max |ref| < 1e-2 (bf16 P and inputs).
+kdt_verify_attention_sm90a_debug, against the float64 GPU reference of that module (itself
+checked against engine.reference.mla below). Bound: max |x - ref| / max |ref| < 1e-2.
 Skips without a compute capability 9.0 GPU or a library built with sm_90a.
 """
 
@@ -52,3 +53,14 @@ def test_sm90a_matches_reference(setup, name, H, prefixes, trees):
         raise
     assert e_out < TOL and e_lse < TOL, (
         f"{name}: out rel err {e_out:.3g}, lse rel err {e_lse:.3g} (tol {TOL}); seed {seed}")
+
+
+def test_gpu_reference_matches_engine_reference(setup):
+    from bench.sm90a_attention import Case, reference_agreement
+
+    torch, _ = setup
+    case = Case(torch, np.random.default_rng(), 4, [5, 0, 40], [3, 7, 33])
+    vis = case.vis_np.copy()
+    vis[4] = 0  # node 1 of request 1 (no prefix) sees nothing
+    case.set_visibility(vis)
+    assert reference_agreement(case) < 1e-9
