@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import os
 import sys
 
@@ -170,7 +171,7 @@ def reference_agreement(case: Case) -> float:
     """Max relative difference between reference_gpu and engine.reference.mla (float64)."""
     from engine.reference.mla import verify_attention_ragged
 
-    to_np = lambda t: t.float().cpu().numpy()  # noqa: E731
+    to_np = lambda t: t.float().cpu().numpy()
     ref_out, ref_lse = verify_attention_ragged(
         to_np(case.q_lat), to_np(case.q_pe), to_np(case.kv), case.qi.cpu().numpy(),
         case.ki.cpu().numpy(), case.vis_np, case.scale)
@@ -268,10 +269,9 @@ def time_graph(torch, fn, target_s: float = 0.25) -> float:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(n):
-                fn()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for _ in range(n):
+            fn()
     torch.cuda.synchronize()
     graph.replay()
     torch.cuda.synchronize()
@@ -296,16 +296,17 @@ def run_timing(lib, torch) -> None:
                 case = Case(torch, rng, 64, [P] * bs, [T] * bs)
                 ws = case.workspace(lib)
                 try:
-                    t_new = time_graph(torch, lambda: case.call(lib, "kdt_verify_attention_sm90a_debug", ws))
+                    t_new = time_graph(torch, functools.partial(
+                        case.call, lib, "kdt_verify_attention_sm90a_debug", ws))
                 except RuntimeError as e:
                     print(f"{bs:>3} {P:>6} {T:>4} | sm90a failed: {e}")
                     continue
-                t_old = time_graph(torch, lambda: case.call(lib, "kdt_verify_attention", ws))
+                t_old = time_graph(torch, functools.partial(case.call, lib, "kdt_verify_attention", ws))
                 f, b = case.flops(), case.cache_bytes()
                 print(f"{bs:>3} {P:>6} {T:>4} | {t_new * 1e3:>9.3f} {f / t_new / 1e12:>8.1f} "
                       f"{b / t_new / 1e9:>7.0f} | {t_old * 1e3:>10.3f} {f / t_old / 1e12:>8.1f} | "
                       f"{t_old / t_new:.2f}x", flush=True)
-                del case, ws
+                case = ws = None
                 torch.cuda.empty_cache()
 
 
