@@ -4,7 +4,8 @@
 
 Calls the library's temporary entry kdt_verify_attention_sm90a_debug (same arguments as
 kdt_verify_attention, the sm90a kernel only, KDT_ERR_UNSUPPORTED where it cannot run) on
-torch CUDA tensors.
+torch CUDA tensors, for both decompositions (KDT_SM90A_VARIANT=0, the default, and 1, the
+experimental one: verify_attention_sm90a.cu says what each does).
 --check: fresh random bf16 inputs (seed printed) at the MLA shape (d_latent 512, d_rope 64),
   ragged batches, tree sizes and prefixes that are not multiples of the 64-row tile, prefix 0,
   split and unsplit key ranges, head counts 16 / 20 / 64 / 128, a query that sees nothing;
@@ -32,6 +33,12 @@ DL, DR, DK = 512, 64, 576
 TOL = 1e-2
 KDT_BACKEND_CUDA = 1
 KDT_DTYPE_BF16 = 1
+VARIANTS = (0, 1)  # KDT_SM90A_VARIANT: 0 the default decomposition, 1 the experimental one
+
+
+def set_variant(v: int) -> None:
+    """The library reads KDT_SM90A_VARIANT on every call of the sm90a path."""
+    os.environ["KDT_SM90A_VARIANT"] = str(v)
 
 
 def load_library(path: str | None):
@@ -203,6 +210,38 @@ CHECKS = [  # (name, H, prefixes, trees)
 ]
 
 
+def _check_variant(lib, torch, rng, tag: str) -> bool:
+    ok = True
+    for name, H, ps, ns in CHECKS:
+        case = Case(torch, rng, H, ps, ns)
+        try:
+            e_out, e_lse = check_case(lib, case)
+        except RuntimeError as e:
+            print(f"FAIL  {tag}{name}: {e}")
+            ok = False
+            continue
+        good = e_out < TOL and e_lse < TOL
+        ok &= good
+        print(f"{'PASS' if good else 'FAIL'}  {tag}{name}: out rel err {e_out:.3g}, lse rel err {e_lse:.3g}")
+    # a query that sees nothing (no prefix, no visibility bit): out 0, lse -inf
+    case = Case(torch, rng, 64, [0], [3])
+    vis = case.vis_np.copy()
+    vis[1] = 0
+    case.set_visibility(vis)
+    try:
+        e_out, e_lse = check_case(lib, case)
+        out, lse = case.out.cpu().numpy(), case.lse.cpu().numpy()
+        good = (e_out < TOL and e_lse < TOL and np.all(out[1] == 0) and np.all(lse[1] == -np.inf)
+                and np.all(np.isfinite(lse[[0, 2]])))
+        print(f"{'PASS' if good else 'FAIL'}  {tag}masked-out row (P0 T3, row 1 sees nothing): "
+              f"out rel err {e_out:.3g}, lse rel err {e_lse:.3g}")
+    except RuntimeError as e:
+        print(f"FAIL  {tag}masked-out row: {e}")
+        good = False
+    ok &= good
+    return ok
+
+
 def run_checks(lib, torch, seed: int) -> bool:
     rng = np.random.default_rng(seed)
     print(f"sm90a check: seed {seed}, bound {TOL}")
@@ -215,43 +254,22 @@ def run_checks(lib, torch, seed: int) -> bool:
     ok = good
     print(f"{'PASS' if good else 'FAIL'}  float64 GPU reference vs engine.reference.mla: "
           f"max rel diff {agree:.3g}")
-    for name, H, ps, ns in CHECKS:
-        case = Case(torch, rng, H, ps, ns)
-        try:
-            e_out, e_lse = check_case(lib, case)
-        except RuntimeError as e:
-            print(f"FAIL  {name}: {e}")
-            ok = False
-            continue
-        good = e_out < TOL and e_lse < TOL
-        ok &= good
-        print(f"{'PASS' if good else 'FAIL'}  {name}: out rel err {e_out:.3g}, lse rel err {e_lse:.3g}")
-    # a query that sees nothing (no prefix, no visibility bit): out 0, lse -inf
-    case = Case(torch, rng, 64, [0], [3])
-    vis = case.vis_np.copy()
-    vis[1] = 0
-    case.set_visibility(vis)
-    try:
-        e_out, e_lse = check_case(lib, case)
-        out, lse = case.out.cpu().numpy(), case.lse.cpu().numpy()
-        good = (e_out < TOL and e_lse < TOL and np.all(out[1] == 0) and np.all(lse[1] == -np.inf)
-                and np.all(np.isfinite(lse[[0, 2]])))
-        print(f"{'PASS' if good else 'FAIL'}  masked-out row (P0 T3, row 1 sees nothing): "
-              f"out rel err {e_out:.3g}, lse rel err {e_lse:.3g}")
-    except RuntimeError as e:
-        print(f"FAIL  masked-out row: {e}")
-        good = False
-    ok &= good
+    for variant in VARIANTS:
+        set_variant(variant)
+        good_v = _check_variant(lib, torch, rng, f"[v{variant}] ")
+        print(f"sm90a check [v{variant}]: {'PASS' if good_v else 'FAIL'}")
+        ok &= good_v
+    set_variant(0)
     # shapes / dtypes the path does not take are refused, not computed
     st = lib.kdt_verify_attention_sm90a_debug(
-        KDT_BACKEND_CUDA, None, 0, 1, 64, DL, DR, 1, 1, 1, 1, case.qi.data_ptr(),
-        case.ki.data_ptr(), case.q_lat.data_ptr(), case.q_pe.data_ptr(), case.kv.data_ptr(),
-        case.vis.data_ptr(), 1, 1.0, case.out.data_ptr(), case.lse.data_ptr(), None, 0)
+        KDT_BACKEND_CUDA, None, 0, 1, 64, DL, DR, 1, 1, 1, 1, small.qi.data_ptr(),
+        small.ki.data_ptr(), small.q_lat.data_ptr(), small.q_pe.data_ptr(), small.kv.data_ptr(),
+        small.vis.data_ptr(), 1, 1.0, small.out.data_ptr(), small.lse.data_ptr(), None, 0)
     msg = lib.kdt_last_error().decode()
     good = st == 2 and "bf16" in msg
     ok &= good
     print(f"{'PASS' if good else 'FAIL'}  float32 cache refused: status {st} ({msg})")
-    print("sm90a check:", "PASS" if ok else "FAIL")
+    print("sm90a check (all):", "PASS" if ok else "FAIL")
     return ok
 
 
@@ -287,25 +305,32 @@ def time_graph(torch, fn, target_s: float = 0.25) -> float:
 
 def run_timing(lib, torch) -> None:
     rng = np.random.default_rng(0)
-    print("sm90a timing (H 64, 512 + 64, bf16; CUDA graph of N calls / N; best of 3 replays)")
-    print(f"{'bs':>3} {'prefix':>6} {'tree':>4} | {'sm90a ms':>9} {'TFLOP/s':>8} {'GB/s':>7} | "
-          f"{'default ms':>10} {'TFLOP/s':>8} | speedup")
+    print("sm90a timing (H 64, 512 + 64, bf16; CUDA graph of N calls / N; best of 3 replays; "
+          "v0 / v1 = KDT_SM90A_VARIANT; GB/s = cache bytes / time; default = kdt_verify_attention)")
+    print(f"{'bs':>3} {'prefix':>6} {'tree':>4} | {'v0 ms':>8} {'TFLOP/s':>7} {'GB/s':>5} | "
+          f"{'v1 ms':>8} {'TFLOP/s':>7} {'GB/s':>5} | {'default ms':>10} {'TFLOP/s':>7} | best speedup")
     for bs in (1, 16, 64):
         for P in (4096, 32768):
             for T in (1, 16, 64):
                 case = Case(torch, rng, 64, [P] * bs, [T] * bs)
                 ws = case.workspace(lib)
-                try:
-                    t_new = time_graph(torch, functools.partial(
-                        case.call, lib, "kdt_verify_attention_sm90a_debug", ws))
-                except RuntimeError as e:
-                    print(f"{bs:>3} {P:>6} {T:>4} | sm90a failed: {e}")
-                    continue
-                t_old = time_graph(torch, functools.partial(case.call, lib, "kdt_verify_attention", ws))
                 f, b = case.flops(), case.cache_bytes()
-                print(f"{bs:>3} {P:>6} {T:>4} | {t_new * 1e3:>9.3f} {f / t_new / 1e12:>8.1f} "
-                      f"{b / t_new / 1e9:>7.0f} | {t_old * 1e3:>10.3f} {f / t_old / 1e12:>8.1f} | "
-                      f"{t_old / t_new:.2f}x", flush=True)
+                cols, times = [], []
+                for v in VARIANTS:
+                    set_variant(v)
+                    try:
+                        t = time_graph(torch, functools.partial(
+                            case.call, lib, "kdt_verify_attention_sm90a_debug", ws))
+                    except RuntimeError as e:
+                        cols.append(f"failed: {e}"[:26].ljust(26))
+                        continue
+                    times.append(t)
+                    cols.append(f"{t * 1e3:>8.3f} {f / t / 1e12:>7.1f} {b / t / 1e9:>5.0f}")
+                set_variant(0)
+                t_old = time_graph(torch, functools.partial(case.call, lib, "kdt_verify_attention", ws))
+                best = f"{t_old / min(times):.2f}x" if times else "-"
+                print(f"{bs:>3} {P:>6} {T:>4} | {' | '.join(cols)} | {t_old * 1e3:>10.3f} "
+                      f"{f / t_old / 1e12:>7.1f} | {best}", flush=True)
                 case = ws = None
                 torch.cuda.empty_cache()
 

@@ -38,11 +38,13 @@ def _cases():
     return CHECKS
 
 
+@pytest.mark.parametrize("variant", [0, 1])
 @pytest.mark.parametrize("name,H,prefixes,trees", _cases(), ids=[c[0] for c in _cases()])
-def test_sm90a_matches_reference(setup, name, H, prefixes, trees):
-    from bench.sm90a_attention import TOL, Case, check_case
+def test_sm90a_matches_reference(setup, name, H, prefixes, trees, variant):
+    from bench.sm90a_attention import TOL, Case, check_case, set_variant
 
     torch, lib = setup
+    set_variant(variant)
     seed = int(np.random.SeedSequence().entropy % 2**32)
     case = Case(torch, np.random.default_rng(seed), H, prefixes, trees)
     try:
@@ -52,7 +54,7 @@ def test_sm90a_matches_reference(setup, name, H, prefixes, trees):
             pytest.skip(str(e))
         raise
     assert e_out < TOL and e_lse < TOL, (
-        f"{name}: out rel err {e_out:.3g}, lse rel err {e_lse:.3g} (tol {TOL}); seed {seed}")
+        f"{name} (KDT_SM90A_VARIANT={variant}): out rel err {e_out:.3g}, lse rel err {e_lse:.3g} (tol {TOL}); seed {seed}")
 
 
 def test_gpu_reference_matches_engine_reference(setup):

@@ -36,6 +36,8 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "common.h"
 #include "kdtree/attention_state.cuh"
@@ -121,6 +123,9 @@ __device__ __forceinline__ void fence_proxy_async() {
 __device__ __forceinline__ void named_bar_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
+__device__ __forceinline__ void named_bar_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
@@ -179,6 +184,22 @@ __device__ __forceinline__ void wgmma_m64n32_ss(float (&d)[16], uint64_t da, uin
       : "l"(da), "l"(db), "r"(scale_d));
 }
 
+__device__ __forceinline__ void wgmma_m64n64_ss(float (&d)[32], uint64_t da, uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "setp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17,"
+      " %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+      ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
+        "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
+        "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+
 __device__ __forceinline__ void wgmma_m64n256_ss_tb(float (&d)[128], uint64_t da, uint64_t db, int scale_d) {
   asm volatile(
       "{\n.reg .pred p;\n"
@@ -221,6 +242,12 @@ __device__ __forceinline__ void wgmma_m64n256_ss_tb(float (&d)[128], uint64_t da
 
 #endif  // KDT_SM90A_DEVICE
 
+// kVariant 0: both consumer WGs score half the keys each (m64n32), exchange the row max, and
+//   run in lockstep. kVariant 1 (KDT_SM90A_VARIANT=1, experimental): WG1 of the consumers
+//   (w = 0) scores all 64 keys (m64n64: a third less shared-memory traffic for Q) and owns the
+//   softmax; it hands P and the per-row rescale factors to the other WG through shared memory,
+//   and scores tile i + 1 while the other WG still multiplies P(i) V.
+template <int kVariant>
 __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) {
 #if defined(KDT_SM90A_DEVICE)
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -340,6 +367,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) 
   float* red_max = red;            // [2][64]
   float* red_sum = red + 2 * kM;   // [2][64]
 
+  if constexpr (kVariant == 0) {
   for (int i = 0; i < n_tiles; ++i) {
     const int s = i % kStages;
     const int64_t t0 = begin + int64_t(i) * kN;
@@ -446,6 +474,118 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) 
     mbar_arrive(bar_empty + 8 * s);
   }
 
+  } else {
+  float* fac = red_max;  // [64]: the current tile's per-row rescale factors (w 0 -> w 1)
+  for (int i = 0; i < n_tiles; ++i) {
+    const int s = i % kStages;
+    const int64_t t0 = begin + int64_t(i) * kN;
+    const uint32_t st = s_kv + s * kTileBytes;
+    mbar_wait(bar_full + 8 * s, (i / kStages) & 1);
+    if (w == 0) {
+      // ---- S = Q K^T for all 64 keys of the tile
+      float sc[32];
+#pragma unroll
+      for (int k = 0; k < 32; ++k) sc[k] = 0.f;
+      reg_fence(sc);
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < 36; ++ks) {
+        const uint32_t koff = (ks >> 2) * kBlockBytes + (ks & 3) * 32;
+        wgmma_m64n64_ss(sc, make_desc(s_q + koff, 16, 1024), make_desc(st + koff, 16, 1024),
+                        ks > 0 ? 1 : 0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      reg_fence(sc);
+      const bool masked = t0 + kN > P || t0 + kN > end;
+      float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int64_t kk = t0 + j * 8 + q4 * 2 + h;
+          float x0 = sc[4 * j + h] * p.scale_log2;
+          float x1 = sc[4 * j + 2 + h] * p.scale_log2;
+          if (masked) {
+            bool v0 = kk < end, v1 = kk < end;
+            if (kk >= P && kk < end) {
+              const int64_t tk = kk - P;
+              v0 = (__ldg(vis0 + (tk >> 5)) >> (tk & 31)) & 1u;
+              v1 = (__ldg(vis1 + (tk >> 5)) >> (tk & 31)) & 1u;
+            }
+            x0 = v0 ? x0 : -INFINITY;
+            x1 = v1 ? x1 : -INFINITY;
+          }
+          sc[4 * j + h] = x0;
+          sc[4 * j + 2 + h] = x1;
+          mx0 = fmaxf(mx0, x0);
+          mx1 = fmaxf(mx1, x1);
+        }
+      }
+#pragma unroll
+      for (int off = 1; off <= 2; off <<= 1) {
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+      }
+      const float nm0 = fmaxf(m0, mx0), nm1 = fmaxf(m1, mx1);
+      const float base0 = nm0 == -INFINITY ? 0.f : nm0;
+      const float base1 = nm1 == -INFINITY ? 0.f : nm1;
+      const float f0 = exp2f(m0 - base0), f1 = exp2f(m1 - base1);
+      m0 = nm0;
+      m1 = nm1;
+      d0 *= f0;
+      d1 *= f1;
+      if (i > 0) named_bar_sync(2, 256);  // the other WG is done with P(i - 1) and its factors
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float p00 = exp2f(sc[4 * j + 0] - base0), p01 = exp2f(sc[4 * j + 1] - base0);
+        const float p10 = exp2f(sc[4 * j + 2] - base1), p11 = exp2f(sc[4 * j + 3] - base1);
+        d0 += p00 + p01;
+        d1 += p10 + p11;
+        *reinterpret_cast<uint32_t*>(smem + kOffP + swz(r0, j) + q4 * 4) = pack_bf16(p00, p01);
+        *reinterpret_cast<uint32_t*>(smem + kOffP + swz(r1, j) + q4 * 4) = pack_bf16(p10, p11);
+      }
+      if (q4 == 0) {
+        fac[r0] = f0;
+        fac[r1] = f1;
+      }
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        o[4 * j + 0] *= f0;
+        o[4 * j + 1] *= f0;
+        o[4 * j + 2] *= f1;
+        o[4 * j + 3] *= f1;
+      }
+      fence_proxy_async();
+      named_bar_sync(1, 256);  // P(i) and the factors are in shared memory
+    } else {
+      named_bar_sync(1, 256);
+      const float f0 = fac[r0], f1 = fac[r1];
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        o[4 * j + 0] *= f0;
+        o[4 * j + 1] *= f0;
+        o[4 * j + 2] *= f1;
+        o[4 * j + 3] *= f1;
+      }
+    }
+    // ---- O_w += P V_w
+    reg_fence(o);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      const uint64_t da = make_desc(s_p + ks * 32, 16, 1024);
+      const uint64_t db = make_desc(st + (4 * w) * kBlockBytes + ks * 16 * 128, kBlockBytes, 1024);
+      wgmma_m64n256_ss_tb(o, da, db, 1);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    reg_fence(o);
+    mbar_arrive(bar_empty + 8 * s);
+    if (w == 1 && i + 1 < n_tiles) named_bar_arrive(2, 256);  // P(i) and factors consumed
+  }
+  }
+
   // ---- epilogue: total row sums over both WGs' keys, normalise, write
 #pragma unroll
   for (int off = 1; off <= 2; off <<= 1) {
@@ -534,7 +674,7 @@ bool have_sm90a_code() {
   int c = cached.load(std::memory_order_relaxed);
   if (c >= 0) return c == 1;
   cudaFuncAttributes attr{};
-  const cudaError_t e = cudaFuncGetAttributes(&attr, attention_kernel);
+  const cudaError_t e = cudaFuncGetAttributes(&attr, attention_kernel<0>);
   if (e != cudaSuccess) (void)cudaGetLastError();  // no image for this device: not sticky, clear it
   const bool ok = e == cudaSuccess && attr.binaryVersion == 90 && attr.numRegs >= 64;
   cached.store(ok ? 1 : 0, std::memory_order_relaxed);
@@ -631,14 +771,24 @@ kdt_status verify_attention_sm90a(const VerifyAttentionArgs& a, void* stream, vo
   static std::atomic<uint64_t> smem_set{0};
   const uint64_t bit = dev < 64 ? (uint64_t(1) << dev) : 0;
   if (!bit || !(smem_set.load(std::memory_order_relaxed) & bit)) {
-    KDT_CUDA_CHECK(cudaFuncSetAttribute(attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        kSmemBytes),
+    KDT_CUDA_CHECK(cudaFuncSetAttribute(attention_kernel<0>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes),
+                   fn);
+    KDT_CUDA_CHECK(cudaFuncSetAttribute(attention_kernel<1>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes),
                    fn);
     smem_set.fetch_or(bit, std::memory_order_relaxed);
   }
+  // KDT_SM90A_VARIANT=1 selects the experimental decomposition (read on every call, so that a
+  // benchmark can compare both in one process; getenv is cheap next to the launch).
+  const char* variant = std::getenv("KDT_SM90A_VARIANT");
+  const bool v1 = variant != nullptr && std::strcmp(variant, "1") == 0;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const dim3 grid(unsigned(m_tiles), unsigned(prm.splits), unsigned(a.bs));
-  attention_kernel<<<grid, kThreads, kSmemBytes, s>>>(prm);
+  if (v1)
+    attention_kernel<1><<<grid, kThreads, kSmemBytes, s>>>(prm);
+  else
+    attention_kernel<0><<<grid, kThreads, kSmemBytes, s>>>(prm);
   KDT_CUDA_CHECK(cudaGetLastError(), fn);
   if (prm.splits > 1) {
     const int64_t all_rows = int64_t(a.total_q) * a.num_heads;
