@@ -28,6 +28,15 @@
 // reach the tree tail (or the chunk end); prefix keys are visible to every row.
 // Scores are kept in base 2 (scale * log2 e) and the LSE converted back to the natural log.
 //
+// KDT_SM90A_VARIANT=1 (read on every call; experimental, for A/B timing) selects a second
+// decomposition of the consumers: one WG scores all 64 keys (m64n64, a third less shared-memory
+// traffic for Q than two m64n32 halves) and owns the softmax, and scores tile i + 1 while the
+// other WG still multiplies P(i) V; see attention_kernel<1>.
+//
+// nvcc 13.0 -O3 -Xptxas -v, sm_90a: both variants 168 registers at entry (setmaxnreg then
+// moves them to the consumers), no spills, 231456 B of dynamic shared memory, 1 CTA per SM.
+// NOT YET RUN ON A GPU (written without one): bench/sm90a_attention.py --check is the test.
+//
 // The sm_90a code exists only in the compute_90a pass (__CUDA_ARCH_FEAT_SM90_ALL); in the other
 // passes the kernels are empty stubs, and the host entry returns KDT_ERR_UNSUPPORTED unless the
 // device is compute capability 9.0 and the binary carries sm_90a code for it.
