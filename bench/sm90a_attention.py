@@ -186,14 +186,41 @@ def reference_agreement(case: Case) -> float:
     return max(rel_err(g_out, ref_out), rel_err(g_lse, ref_lse))
 
 
-def check_case(lib, case: Case) -> tuple[float, float]:
+def diagnose(out: np.ndarray, lse: np.ndarray, ref_out: np.ndarray, ref_lse: np.ndarray) -> str:
+    """Where a failing result is wrong, for debugging without a second GPU run: NaN counts,
+    the error per 64-column block of out (blocks 0-3 come from consumer WG 0, 4-7 from WG 1),
+    per 16-row warp slice of the 64-row tile (row = node * H + head), and for the lse."""
+    o = out.reshape(-1, DL).astype(np.float64)
+    r = ref_out.reshape(-1, DL)
+    scale = max(np.abs(r[np.isfinite(r)]).max(initial=0.0), 1e-30)
+    d = np.abs(np.nan_to_num(o, nan=1e30) - r) / scale
+    rows = np.arange(o.shape[0]) % 64
+    lines = [f"    NaN in out: {int(np.isnan(o).sum())}, in lse: {int(np.isnan(lse).sum())}",
+             "    out err by column block: " + " ".join(f"{d[:, 64 * c:64 * c + 64].max():.2g}"
+                                                     for c in range(DL // 64)),
+             "    out err by tile-row slice (rows % 64 in 0-15, 16-31, 32-47, 48-63): " +
+             " ".join(f"{d[(rows >= 16 * k) & (rows < 16 * k + 16)].max(initial=0.0):.2g}"
+                      for k in range(4))]
+    li, lr = lse.reshape(-1).astype(np.float64), ref_lse.reshape(-1)
+    fin = np.isfinite(lr)
+    if fin.any():
+        worst = int(np.argmax(np.where(fin, np.abs(np.nan_to_num(li, nan=1e30) - lr), -1)))
+        lines.append(f"    worst lse row {worst}: got {li[worst]:.6g}, want {lr[worst]:.6g}")
+    return "\n".join(lines)
+
+
+def check_case(lib, case: Case, detail: bool = True) -> tuple[float, float]:
     ws = case.workspace(lib)
     case.out.fill_(float("nan"))
     case.lse.fill_(float("nan"))
     case.call(lib, "kdt_verify_attention_sm90a_debug", ws)
     case.torch.cuda.synchronize()
     ref_out, ref_lse = reference_gpu(case)
-    return (rel_err(case.out.cpu().numpy(), ref_out), rel_err(case.lse.cpu().numpy(), ref_lse))
+    out, lse = case.out.cpu().numpy(), case.lse.cpu().numpy()
+    e_out, e_lse = rel_err(out, ref_out), rel_err(lse, ref_lse)
+    if detail and not (e_out < TOL and e_lse < TOL):
+        print(diagnose(out, lse, ref_out, ref_lse))
+    return e_out, e_lse
 
 
 CHECKS = [  # (name, H, prefixes, trees)
