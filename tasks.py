@@ -348,7 +348,7 @@ def _sh(argv: list[str], code: int, env: dict | None = None) -> None:
               f"exited {r.returncode}", code)
 
 
-@task(auto_shortflags=False, help={"arch": "cpu, sm_90, sm_120, sm_90,sm_120 or native (default cpu)"})
+@task(auto_shortflags=False, help={"arch": "cpu, sm_90, sm_90a, sm_120, a comma list (sm_90a,sm_90,sm_120) or native (default cpu)"})
 @_guarded
 def build(c, arch="cpu"):
     """Build libkdtree.so and the native programs locally into build/<arch>."""
@@ -363,9 +363,9 @@ def test(c, pytest_args=""):
     _sh([sys.executable, "-c", "from importlinter.cli import lint_imports_command as c; c()", "--no-cache"], 1)
     _sh(["bash", "cuda/build.sh", "--arch", "cpu", "--out", "build/cpu"], 4)
     if shutil.which("nvcc"):
-        _sh(["bash", "cuda/build.sh", "--arch", "sm_90,sm_120", "--out", "build/fat"], 4)
+        _sh(["bash", "cuda/build.sh", "--arch", "sm_90a,sm_90,sm_120", "--out", "build/fat"], 4)
     else:
-        print("nvcc not found: skipping the sm_90,sm_120 compile check")
+        print("nvcc not found: skipping the sm_90a,sm_90,sm_120 compile check")
     env = {"KDTREE_LIB": str(REPO / "build/cpu/libkdtree.so")}
     if (REPO / "engine/kdtr/__main__.py").is_file():
         _sh([sys.executable, "-m", "engine.kdtr", "generate", "--out", "build/cpu/bundles"], 1, env)

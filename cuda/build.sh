@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # cuda/build.sh: build libkdtree.so, the native test programs and the benchmark program.
 #
-#   cuda/build.sh --arch <sm_90|sm_120|native|cpu|sm_90,sm_120> --out DIR [--jobs N] [--debug]
+#   cuda/build.sh --arch <sm_90|sm_90a|sm_120|native|cpu|sm_90a,sm_90,sm_120> --out DIR [--jobs N] [--debug]
 #                 [--generator auto|direct|cmake]
 #
 # Needs only g++ (and nvcc for a CUDA arch): no cmake. With --generator cmake (or auto when
@@ -33,16 +33,31 @@ jobs=${jobs:-$(nproc 2>/dev/null || echo 2)}
 
 # ---- resolve the architecture list -------------------------------------------------------
 use_cuda=1
-gencode=()
+# An arch-specific target (sm_90a: wgmma, setmaxnreg) is compiled only where it is needed, so
+# that no kernel exists both as an sm_90 and an sm_90a cubin (which one the driver loads is then
+# never a question): sources named *_sm90a.cu get the arch-specific targets alone (their code is
+# guarded by __CUDA_ARCH_FEAT_SM90_ALL; without such a target in the list they get the plain
+# list and build as stubs); every other source gets the plain targets, and an arch-specific one
+# only when its plain twin (sm_90 for sm_90a) is not listed.
+gencode=()        # everything listed (the link line, build_info)
+gencode_plain=()  # other sources
+gencode_feat=()   # *_sm90a.cu
 IFS=',' read -r -a archs <<<"$arch"
 for a in "${archs[@]}"; do
   case "$a" in
     cpu) use_cuda=0 ;;
-    native) gencode+=("-arch=native") ;;
-    sm_[0-9]*) n=${a#sm_}; gencode+=("-gencode=arch=compute_${n},code=sm_${n}") ;;
-    *) echo "error: build: --arch: '$a' is not one of sm_NN, native, cpu" >&2; exit 5 ;;
+    native) gencode+=("-arch=native"); gencode_plain+=("-arch=native") ;;
+    sm_[0-9]*a)
+      n=${a#sm_}; g="-gencode=arch=compute_${n},code=sm_${n}"
+      gencode+=("$g"); gencode_feat+=("$g")
+      [[ ",$arch," == *",sm_${n%a},"* ]] || gencode_plain+=("$g") ;;
+    sm_[0-9]*)
+      n=${a#sm_}; g="-gencode=arch=compute_${n},code=sm_${n}"
+      gencode+=("$g"); gencode_plain+=("$g") ;;
+    *) echo "error: build: --arch: '$a' is not one of sm_NN, sm_NNa, native, cpu" >&2; exit 5 ;;
   esac
 done
+[ ${#gencode_feat[@]} -gt 0 ] || gencode_feat=("${gencode_plain[@]}")
 if [ "$use_cuda" = 1 ] && [ ${#archs[@]} -gt 1 ] && [[ " ${archs[*]} " == *" cpu "* ]]; then
   echo "error: build: --arch: cpu cannot be combined with GPU architectures" >&2; exit 5
 fi
@@ -69,7 +84,7 @@ log="$out/compile_commands.txt"
 opt=(-O3); [ "$debug" = 1 ] && opt=(-O0 -g)
 cxxflags=("${opt[@]}" -std=c++17 -fPIC -fvisibility=hidden -Wall -Wextra -I"$here/include" -I"$here/src")
 nvccflags=("${opt[@]}" -std=c++17 -Xcompiler=-fPIC,-fvisibility=hidden -I"$here/include" -I"$here/src"
-           --expt-relaxed-constexpr "${gencode[@]}")
+           --expt-relaxed-constexpr)
 [ "$use_cuda" = 1 ] && cxxflags+=(-DKDT_WITH_CUDA) && nvccflags+=(-DKDT_WITH_CUDA)
 
 # ---- compile: one line per source, run in parallel, each recorded -------------------------
@@ -79,7 +94,7 @@ for src in "$here"/src/*.cpp; do
   [ -e "$src" ] || continue
   obj="$out/obj/$(basename "$src").o"
   if [ "$use_cuda" = 1 ]; then
-    cmds+=("nvcc ${nvccflags[*]} -x cu -c $src -o $obj")
+    cmds+=("nvcc ${nvccflags[*]} ${gencode_plain[*]} -x cu -c $src -o $obj")
   else
     cmds+=("g++ ${cxxflags[*]} -c $src -o $obj")
   fi
@@ -89,7 +104,10 @@ if [ "$use_cuda" = 1 ]; then
   for src in "$here"/src/*.cu; do
     [ -e "$src" ] || continue
     obj="$out/obj/$(basename "$src").o"
-    cmds+=("nvcc ${nvccflags[*]} -c $src -o $obj")
+    case "$src" in
+      *_sm90a.cu) cmds+=("nvcc ${nvccflags[*]} ${gencode_feat[*]} -c $src -o $obj") ;;
+      *) cmds+=("nvcc ${nvccflags[*]} ${gencode_plain[*]} -c $src -o $obj") ;;
+    esac
     objs+=("$obj")
   done
 fi

@@ -4,7 +4,7 @@
 # build_info.json / compile_commands.txt with every compile line (from compile_commands.json)
 # and link line (from CMake's link.txt files).
 #
-#   cuda/cmake_build.sh --arch <sm_90|sm_120|sm_90,sm_120|native|cpu> --out DIR [--jobs N] [--debug]
+#   cuda/cmake_build.sh --arch <sm_90|sm_90a|sm_120|sm_90,sm_120|native|cpu> --out DIR [--jobs N] [--debug]
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)

@@ -26,7 +26,7 @@ def test_shipped_hosts():
     local, h200, ct200 = resolve_hosts("local,h200,ct200", HOSTS)
     assert (local.name, local.transport, local.cuda_arch, local.remote_dir) == \
         ("local", "local", "cpu", "~/.cache/kdtree-engine/local")
-    assert (h200.transport, h200.cuda_arch, h200.gpus.count, h200.gpus.model) == ("local", "sm_90", 1, "NVIDIA H200")
+    assert (h200.transport, h200.cuda_arch, h200.gpus.count, h200.gpus.model) == ("local", "sm_90a,sm_90", 1, "NVIDIA H200")
     assert h200.remote_dir == "~/.cache/kdtree-engine/h200"
     assert (ct200.transport, ct200.ssh_config_alias, ct200.hostname, ct200.cuda_arch) == ("ssh", "ct200", None, "sm_120")
     assert (ct200.gpus.count, ct200.gpus.model, ct200.remote_dir) == (8, "NVIDIA RTX PRO 6000 Blackwell", "~/kdtree-engine")

@@ -66,7 +66,7 @@ class Host:
     source: Path | None             # the YAML file it came from (None: the embedded default)
     transport: str                  # "local" | "ssh"
     remote_dir: str                 # absolute or "~/..." on the host, as written
-    cuda_arch: str                  # "sm_120", "sm_90", "sm_90,sm_120", "native" or "cpu"
+    cuda_arch: str                  # "sm_120", "sm_90", "sm_90a,sm_90", "sm_90,sm_120", "native" or "cpu"
     hostname: str | None = None
     port: int = 22
     user: str | None = None

@@ -1,0 +1,843 @@
+// verify_attention_sm90a.cu: the Hopper (sm_90a) path of kdt_verify_attention: wgmma tensor
+// cores fed by a warp-specialised cp.async pipeline, for bf16 caches at the MLA shape
+// (d_latent 512, d_rope 64, any head count). Raw PTX (wgmma.mma_async with shared-memory matrix
+// descriptors, mbarrier, cp.async), no CUTLASS: nothing to vendor onto a host without internet,
+// and a compile that stays short on small build machines.
+//
+// Work decomposition. Rows of request b are (node, head) pairs, row = node * H + head, so with
+// 64 heads one M tile of 64 rows is one tree node. Grid (M tiles, splits, bs): a CTA owns one
+// 64-row M tile of one request and one chunk of its key range [0, kv_len) (prefix then tree;
+// chunks from VerifyAttentionPlan, so the workspace query is shared with the other backends).
+// With one split the CTA writes out / lse itself; with several it writes a normalised partial
+// state (o / d, lse) into the workspace and a merge kernel combines the chunks by LSE
+// (kdt::merge_weight / merged_lse of attention_state.cuh). A chunk past a request's kv_len
+// writes the empty state (lse = -inf), so the merge reads every slot.
+//
+// Inside a CTA: 3 warpgroups. WG0 is the producer: it streams 64-row cache tiles (64 x 576 bf16
+// = 72 KB) into a 2-stage ring with 16-byte cp.async (rows past the chunk zero-filled), laid
+// out as nine 64 x 64 column blocks in the 128-byte-swizzled K-major form that wgmma reads,
+// and signals each stage on an mbarrier after a proxy fence. WG1 and WG2 are the consumers:
+//   S_w = Q K_w^T: WG w scores keys [32 w, 32 w + 32) of the tile for all 64 rows
+//                  (wgmma m64n32k16 x 36, Q and K both K-major from shared memory);
+//   row max exchanged between the two WGs through shared memory (named barrier), so both keep
+//   the same running max; P = exp(S - m) written as bf16 into a shared 64 x 64 tile;
+//   O_w += P V_w:  WG w owns output columns [256 w, 256 w + 256) (wgmma m64n256k16 x 4, P
+//                  K-major, V = the first 512 columns of the same cache tile, MN-major).
+// So each WG holds a 64 x 256 fp32 accumulator (128 registers a thread); setmaxnreg gives the
+// consumers 232 registers and the producer 40. The tree mask is applied only on tiles that
+// reach the tree tail (or the chunk end); prefix keys are visible to every row.
+// Scores are kept in base 2 (scale * log2 e) and the LSE converted back to the natural log.
+//
+// KDT_SM90A_VARIANT=1 (read on every call; experimental, for A/B timing) selects a second
+// decomposition of the consumers: one WG scores all 64 keys (m64n64, a third less shared-memory
+// traffic for Q than two m64n32 halves) and owns the softmax, and scores tile i + 1 while the
+// other WG still multiplies P(i) V; see attention_kernel<1>.
+//
+// nvcc 13.0 -O3 -Xptxas -v, sm_90a: both variants 168 registers at entry (setmaxnreg then
+// moves them to the consumers), no spills, 231456 B of dynamic shared memory, 1 CTA per SM.
+// NOT YET RUN ON A GPU (written without one): bench/sm90a_attention.py --check is the test.
+//
+// The sm_90a code exists only in the compute_90a pass (__CUDA_ARCH_FEAT_SM90_ALL); in the other
+// passes the kernels are empty stubs, and the host entry returns KDT_ERR_UNSUPPORTED unless the
+// device is compute capability 9.0 and the binary carries sm_90a code for it.
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include "common.h"
+#include "kdtree/attention_state.cuh"
+#include "verify_attention.h"
+
+namespace kdt {
+namespace sm90a {
+namespace {
+
+constexpr int kDL = 512, kDR = 64, kDK = kDL + kDR;  // the supported MLA shape
+constexpr int kM = 64;                               // rows per CTA (one wgmma M)
+constexpr int kN = 64;                               // cache rows per tile
+constexpr int kBlocks = kDK / 64;                    // 9 column blocks of 64 bf16 (128 B)
+constexpr int kBlockBytes = 64 * 128;                // one 64-row x 128 B block
+constexpr int kTileBytes = kBlocks * kBlockBytes;    // 73728: Q tile and one cache stage
+constexpr int kStages = 2;
+constexpr int kThreads = 384;  // producer WG + 2 consumer WGs
+// shared memory: Q | stages | P | max/sum exchange | mbarriers (+1 KB slack to align to 1 KB)
+constexpr int kOffQ = 0;
+constexpr int kOffKV = kOffQ + kTileBytes;
+constexpr int kOffP = kOffKV + kStages * kTileBytes;
+constexpr int kOffRed = kOffP + kM * 128;
+constexpr int kOffBar = kOffRed + 2 * 2 * kM * 4;
+constexpr int kSmemUsed = kOffBar + 2 * kStages * 8;
+constexpr int kSmemBytes = kSmemUsed + 1024;
+static_assert(kSmemBytes <= 232448, "over the 227 KB an sm_90 block may use");
+static_assert(kN == 64 && kM == 64, "the wgmma shapes below assume 64-row tiles");
+
+struct Params {
+  const int32_t* q_indptr;
+  const int32_t* kv_indptr;
+  const uint16_t* q_lat;  // [total_q * H, 512] bf16 bits
+  const uint16_t* q_pe;   // [total_q * H, 64]
+  const uint16_t* kv;     // [total_kv, 576]
+  const uint32_t* vis;
+  float* out;
+  float* lse;
+  float* ws_o;    // [splits, total_q * H, 512]
+  float* ws_lse;  // [splits, total_q * H]
+  int32_t H, total_q, total_kv, max_tree, max_kv, vis_words;
+  int64_t chunk, splits;
+  float scale_log2;  // softmax_scale * log2(e)
+};
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define KDT_SM90A_DEVICE 1
+#endif
+
+#if defined(KDT_SM90A_DEVICE)
+
+// ---------------------------------------------------------------- PTX wrappers
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int kN_>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kN_) : "memory");
+}
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+__device__ __forceinline__ void named_bar_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int kN_>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kN_) : "memory");
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+// Keeps the compiler from moving accumulator reads/writes across the asynchronous wgmma.
+template <int kN_>
+__device__ __forceinline__ void reg_fence(float (&d)[kN_]) {
+#pragma unroll
+  for (int i = 0; i < kN_; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Shared-memory matrix descriptor, 128-byte swizzle (layout type 1 in bits 62-63). Addresses,
+// LBO and SBO in 16-byte units. K-major: SBO = 1024 B between 8-row groups, LBO unused (1).
+// MN-major: LBO = bytes between 64-element MN blocks, SBO = 1024 B between 8-row K groups.
+__device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
+  uint64_t d = 0;
+  d |= uint64_t((addr >> 4) & 0x3FFF);
+  d |= uint64_t((lbo_bytes >> 4) & 0x3FFF) << 16;
+  d |= uint64_t((sbo_bytes >> 4) & 0x3FFF) << 32;
+  d |= uint64_t(1) << 62;
+  return d;
+}
+
+// Byte offset of 16-byte chunk `c` (0..7) of row `r` inside a 64-row x 128 B block with the
+// 128-byte swizzle (chunk index XOR row mod 8; blocks are 1024-byte aligned).
+__device__ __forceinline__ uint32_t swz(int r, int c) { return uint32_t(r * 128 + ((c ^ (r & 7)) << 4)); }
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+__device__ __forceinline__ void wgmma_m64n32_ss(float (&d)[16], uint64_t da, uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "setp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+      ", %16, %17, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+
+__device__ __forceinline__ void wgmma_m64n64_ss(float (&d)[32], uint64_t da, uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "setp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17,"
+      " %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+      ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
+        "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
+        "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+
+__device__ __forceinline__ void wgmma_m64n256_ss_tb(float (&d)[128], uint64_t da, uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "setp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17,"
+      " %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33,"
+      " %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49,"
+      " %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65,"
+      " %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81,"
+      " %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97,"
+      " %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %11"
+      "1, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124,"
+      " %125, %126, %127}"
+      ", %128, %129, p, 1, 1, 0, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
+        "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
+        "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]),
+        "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
+        "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),
+        "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]),
+        "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]),
+        "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]),
+        "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]),
+        "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]),
+        "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]),
+        "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]),
+        "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]),
+        "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]),
+        "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+
+
+#endif  // KDT_SM90A_DEVICE
+
+// kVariant 0: both consumer WGs score half the keys each (m64n32), exchange the row max, and
+//   run in lockstep. kVariant 1 (KDT_SM90A_VARIANT=1, experimental): WG1 of the consumers
+//   (w = 0) scores all 64 keys (m64n64: a third less shared-memory traffic for Q) and owns the
+//   softmax; it hands P and the per-row rescale factors to the other WG through shared memory,
+//   and scores tile i + 1 while the other WG still multiplies P(i) V.
+template <int kVariant>
+__global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) {
+#if defined(KDT_SM90A_DEVICE)
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const uint32_t s_base = smem_u32(smem);
+  const uint32_t s_q = s_base + kOffQ, s_kv = s_base + kOffKV, s_p = s_base + kOffP;
+  float* red = reinterpret_cast<float*>(smem + kOffRed);  // [2 (max, sum)][2 WGs][64 rows]
+  const uint32_t bar_full = s_base + kOffBar, bar_empty = bar_full + 8 * kStages;
+
+  const int tid = threadIdx.x;
+  const int b = blockIdx.z;
+  const int64_t q0 = p.q_indptr[b], q1 = p.q_indptr[b + 1];
+  const int64_t k0 = p.kv_indptr[b], k1 = p.kv_indptr[b + 1];
+  const int64_t n = q1 - q0, kv_len = k1 - k0, P = kv_len - n;
+  const int64_t H = p.H;
+  const int64_t rows = n * H;
+  const int64_t row_base = int64_t(blockIdx.x) * kM;
+  const int64_t all_rows = int64_t(p.total_q) * H;
+  const bool direct = p.splits == 1;
+  const bool valid = q0 >= 0 && k0 >= 0 && n >= 0 && n <= p.max_tree && P >= 0 &&
+                     kv_len <= p.max_kv && q1 <= p.total_q && k1 <= p.total_kv;
+  if (!valid) {
+    // A broken index-pointer contract cannot be reported without a host sync: poison the rows
+    // this CTA would own, where addressable (the merge propagates a NaN partial).
+    if (q0 >= 0 && q1 <= p.total_q && n > 0) {
+      const float nan = __int_as_float(0x7fc00000);
+      for (int64_t r = row_base; r < min(rows, row_base + kM); ++r) {
+        const int64_t g = q0 * H + r;
+        float* o = direct ? p.out + g * kDL : p.ws_o + (int64_t(blockIdx.y) * all_rows + g) * kDL;
+        for (int k = tid; k < kDL; k += kThreads) o[k] = nan;
+        if (tid == 0) (direct ? p.lse[g] : p.ws_lse[int64_t(blockIdx.y) * all_rows + g]) = nan;
+      }
+    }
+    return;
+  }
+  if (row_base >= rows) return;  // uniform over the CTA
+  const int64_t begin = int64_t(blockIdx.y) * p.chunk;
+  const int64_t end = min(kv_len, begin + p.chunk);
+  const int n_tiles = begin < end ? int((end - begin + kN - 1) / kN) : 0;
+
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(bar_full + 8 * s, 128);   // every producer thread arrives
+      mbar_init(bar_empty + 8 * s, 256);  // every consumer thread arrives
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (tid < 128) {
+    // ============================== producer warpgroup
+    setmaxnreg_dec<40>();
+    const uint16_t* src0 = p.kv + k0 * kDK;
+    for (int i = 0; i < n_tiles; ++i) {
+      const int s = i % kStages;
+      mbar_wait(bar_empty + 8 * s, ((i / kStages) & 1) ^ 1);
+      const int64_t t0 = begin + int64_t(i) * kN;
+      const uint32_t dst0 = s_kv + s * kTileBytes;
+#pragma unroll 4
+      for (int e = tid; e < kN * 72; e += 128) {
+        const int r = e / 72, c = e - r * 72;
+        const int blk = c >> 3, cc = c & 7;
+        const bool ok = t0 + r < end;
+        const uint16_t* src = src0 + (ok ? (t0 + r) * kDK + c * 8 : 0);
+        cp_async16(dst0 + blk * kBlockBytes + swz(r, cc), src, ok);
+      }
+      cp_async_commit();
+      if (i > 0) {
+        cp_async_wait<1>();
+        fence_proxy_async();
+        mbar_arrive(bar_full + 8 * ((i - 1) % kStages));
+      }
+    }
+    if (n_tiles > 0) {
+      cp_async_wait<0>();
+      fence_proxy_async();
+      mbar_arrive(bar_full + 8 * ((n_tiles - 1) % kStages));
+    }
+    return;
+  }
+
+  // ============================== consumer warpgroups
+  setmaxnreg_inc<232>();
+  const int ct = tid - 128;       // 0..255
+  const int w = ct >> 7;          // consumer WG: keys [32 w, 32 w + 32), out cols [256 w, +256)
+  const int t = ct & 127;
+  const int lane = t & 31, warp = t >> 5;
+  const int r0 = warp * 16 + (lane >> 2), r1 = r0 + 8;  // this thread's two rows of the tile
+  const int q4 = lane & 3;
+
+  // ---- Q tile [64 rows, 576] into shared memory (swizzled K-major), zero past the rows
+  for (int e = ct; e < kM * 72; e += 256) {
+    const int r = e / 72, c = e - r * 72;
+    const int blk = c >> 3, cc = c & 7;
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    const int64_t rr = row_base + r;
+    if (rr < rows) {
+      const int64_t g = q0 * H + rr;
+      const uint16_t* src = c < 64 ? p.q_lat + g * kDL + c * 8 : p.q_pe + g * kDR + (c - 64) * 8;
+      v = __ldg(reinterpret_cast<const uint4*>(src));
+    }
+    *reinterpret_cast<uint4*>(smem + kOffQ + blk * kBlockBytes + swz(r, cc)) = v;
+  }
+  fence_proxy_async();
+  named_bar_sync(1, 256);
+
+  // per-row state: rows r0, r1 (same in both WGs; the max is exchanged every tile)
+  const int64_t rg0 = row_base + r0, rg1 = row_base + r1;
+  const int64_t node0 = rg0 / H, node1 = rg1 / H;
+  const uint32_t* vis0 = p.vis + (q0 + min(node0, n - 1)) * p.vis_words;
+  const uint32_t* vis1 = p.vis + (q0 + min(node1, n - 1)) * p.vis_words;
+  float m0 = -INFINITY, m1 = -INFINITY;  // running max (base 2)
+  float d0 = 0.f, d1 = 0.f;              // this thread's partial sums over its keys
+  float o[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) o[i] = 0.f;
+  float* red_max = red;            // [2][64]
+  float* red_sum = red + 2 * kM;   // [2][64]
+
+  if constexpr (kVariant == 0) {
+  for (int i = 0; i < n_tiles; ++i) {
+    const int s = i % kStages;
+    const int64_t t0 = begin + int64_t(i) * kN;
+    const uint32_t st = s_kv + s * kTileBytes;
+    mbar_wait(bar_full + 8 * s, (i / kStages) & 1);
+
+    // ---- S = Q K_w^T over 576 = 36 k-steps of 16
+    float sc[16];
+#pragma unroll
+    for (int k = 0; k < 16; ++k) sc[k] = 0.f;
+    reg_fence(sc);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < 36; ++ks) {
+      const uint32_t koff = (ks >> 2) * kBlockBytes + (ks & 3) * 32;
+      const uint64_t da = make_desc(s_q + koff, 16, 1024);
+      const uint64_t db = make_desc(st + koff + w * 32 * 128, 16, 1024);
+      wgmma_m64n32_ss(sc, da, db, ks > 0 ? 1 : 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    reg_fence(sc);
+
+    // ---- scale, mask (only on tiles reaching the tree tail or the chunk end), row max
+    const bool masked = t0 + kN > P || t0 + kN > end;
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int64_t kk = t0 + w * 32 + j * 8 + q4 * 2 + h;  // key index in the request
+        float x0 = sc[4 * j + h] * p.scale_log2;
+        float x1 = sc[4 * j + 2 + h] * p.scale_log2;
+        if (masked) {
+          bool v0 = kk < end, v1 = kk < end;
+          if (kk >= P && kk < end) {
+            const int64_t tk = kk - P;
+            v0 = (__ldg(vis0 + (tk >> 5)) >> (tk & 31)) & 1u;
+            v1 = (__ldg(vis1 + (tk >> 5)) >> (tk & 31)) & 1u;
+          }
+          x0 = v0 ? x0 : -INFINITY;
+          x1 = v1 ? x1 : -INFINITY;
+        }
+        sc[4 * j + h] = x0;
+        sc[4 * j + 2 + h] = x1;
+        mx0 = fmaxf(mx0, x0);
+        mx1 = fmaxf(mx1, x1);
+      }
+    }
+#pragma unroll
+    for (int off = 1; off <= 2; off <<= 1) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+    }
+    if (q4 == 0) {
+      red_max[w * kM + r0] = mx0;
+      red_max[w * kM + r1] = mx1;
+    }
+    named_bar_sync(1, 256);
+    const float nm0 = fmaxf(m0, fmaxf(red_max[r0], red_max[kM + r0]));
+    const float nm1 = fmaxf(m1, fmaxf(red_max[r1], red_max[kM + r1]));
+    // exp2 base: -inf max means nothing visible yet; use 0 so exp2(-inf - 0) = 0, never NaN
+    const float base0 = nm0 == -INFINITY ? 0.f : nm0;
+    const float base1 = nm1 == -INFINITY ? 0.f : nm1;
+    const float f0 = exp2f(m0 - base0), f1 = exp2f(m1 - base1);  // m = -inf: 0
+    m0 = nm0;
+    m1 = nm1;
+    d0 *= f0;
+    d1 *= f1;
+    // ---- P = exp2(S - m) as bf16 into the shared 64 x 64 tile (K-major, swizzled)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float p00 = exp2f(sc[4 * j + 0] - base0), p01 = exp2f(sc[4 * j + 1] - base0);
+      const float p10 = exp2f(sc[4 * j + 2] - base1), p11 = exp2f(sc[4 * j + 3] - base1);
+      d0 += p00 + p01;
+      d1 += p10 + p11;
+      const int chunk16 = w * 4 + j;  // keys [8 chunk16, +8) = bytes [16 chunk16, +16)
+      *reinterpret_cast<uint32_t*>(smem + kOffP + swz(r0, chunk16) + q4 * 4) = pack_bf16(p00, p01);
+      *reinterpret_cast<uint32_t*>(smem + kOffP + swz(r1, chunk16) + q4 * 4) = pack_bf16(p10, p11);
+    }
+    // ---- rescale O
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      o[4 * j + 0] *= f0;
+      o[4 * j + 1] *= f0;
+      o[4 * j + 2] *= f1;
+      o[4 * j + 3] *= f1;
+    }
+    fence_proxy_async();
+    named_bar_sync(1, 256);
+
+    // ---- O_w += P V_w: 4 k-steps of 16 keys; V block cols [256 w, +256) = blocks 4w..4w+3
+    reg_fence(o);  // the rescale above is done before the tensor cores read o
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      const uint64_t da = make_desc(s_p + ks * 32, 16, 1024);
+      const uint64_t db = make_desc(st + (4 * w) * kBlockBytes + ks * 16 * 128, kBlockBytes, 1024);
+      wgmma_m64n256_ss_tb(o, da, db, 1);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    reg_fence(o);
+    mbar_arrive(bar_empty + 8 * s);
+  }
+
+  } else {
+  float* fac = red_max;  // [64]: the current tile's per-row rescale factors (w 0 -> w 1)
+  for (int i = 0; i < n_tiles; ++i) {
+    const int s = i % kStages;
+    const int64_t t0 = begin + int64_t(i) * kN;
+    const uint32_t st = s_kv + s * kTileBytes;
+    mbar_wait(bar_full + 8 * s, (i / kStages) & 1);
+    if (w == 0) {
+      // ---- S = Q K^T for all 64 keys of the tile
+      float sc[32];
+#pragma unroll
+      for (int k = 0; k < 32; ++k) sc[k] = 0.f;
+      reg_fence(sc);
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < 36; ++ks) {
+        const uint32_t koff = (ks >> 2) * kBlockBytes + (ks & 3) * 32;
+        wgmma_m64n64_ss(sc, make_desc(s_q + koff, 16, 1024), make_desc(st + koff, 16, 1024),
+                        ks > 0 ? 1 : 0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      reg_fence(sc);
+      const bool masked = t0 + kN > P || t0 + kN > end;
+      float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int64_t kk = t0 + j * 8 + q4 * 2 + h;
+          float x0 = sc[4 * j + h] * p.scale_log2;
+          float x1 = sc[4 * j + 2 + h] * p.scale_log2;
+          if (masked) {
+            bool v0 = kk < end, v1 = kk < end;
+            if (kk >= P && kk < end) {
+              const int64_t tk = kk - P;
+              v0 = (__ldg(vis0 + (tk >> 5)) >> (tk & 31)) & 1u;
+              v1 = (__ldg(vis1 + (tk >> 5)) >> (tk & 31)) & 1u;
+            }
+            x0 = v0 ? x0 : -INFINITY;
+            x1 = v1 ? x1 : -INFINITY;
+          }
+          sc[4 * j + h] = x0;
+          sc[4 * j + 2 + h] = x1;
+          mx0 = fmaxf(mx0, x0);
+          mx1 = fmaxf(mx1, x1);
+        }
+      }
+#pragma unroll
+      for (int off = 1; off <= 2; off <<= 1) {
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+      }
+      const float nm0 = fmaxf(m0, mx0), nm1 = fmaxf(m1, mx1);
+      const float base0 = nm0 == -INFINITY ? 0.f : nm0;
+      const float base1 = nm1 == -INFINITY ? 0.f : nm1;
+      const float f0 = exp2f(m0 - base0), f1 = exp2f(m1 - base1);
+      m0 = nm0;
+      m1 = nm1;
+      d0 *= f0;
+      d1 *= f1;
+      if (i > 0) named_bar_sync(2, 256);  // the other WG is done with P(i - 1) and its factors
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float p00 = exp2f(sc[4 * j + 0] - base0), p01 = exp2f(sc[4 * j + 1] - base0);
+        const float p10 = exp2f(sc[4 * j + 2] - base1), p11 = exp2f(sc[4 * j + 3] - base1);
+        d0 += p00 + p01;
+        d1 += p10 + p11;
+        *reinterpret_cast<uint32_t*>(smem + kOffP + swz(r0, j) + q4 * 4) = pack_bf16(p00, p01);
+        *reinterpret_cast<uint32_t*>(smem + kOffP + swz(r1, j) + q4 * 4) = pack_bf16(p10, p11);
+      }
+      if (q4 == 0) {
+        fac[r0] = f0;
+        fac[r1] = f1;
+      }
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        o[4 * j + 0] *= f0;
+        o[4 * j + 1] *= f0;
+        o[4 * j + 2] *= f1;
+        o[4 * j + 3] *= f1;
+      }
+      fence_proxy_async();
+      named_bar_sync(1, 256);  // P(i) and the factors are in shared memory
+    } else {
+      named_bar_sync(1, 256);
+      const float f0 = fac[r0], f1 = fac[r1];
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        o[4 * j + 0] *= f0;
+        o[4 * j + 1] *= f0;
+        o[4 * j + 2] *= f1;
+        o[4 * j + 3] *= f1;
+      }
+    }
+    // ---- O_w += P V_w
+    reg_fence(o);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      const uint64_t da = make_desc(s_p + ks * 32, 16, 1024);
+      const uint64_t db = make_desc(st + (4 * w) * kBlockBytes + ks * 16 * 128, kBlockBytes, 1024);
+      wgmma_m64n256_ss_tb(o, da, db, 1);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    reg_fence(o);
+    mbar_arrive(bar_empty + 8 * s);
+    if (w == 1 && i + 1 < n_tiles) named_bar_arrive(2, 256);  // P(i) and factors consumed
+  }
+  }
+
+  // ---- epilogue: total row sums over both WGs' keys, normalise, write
+#pragma unroll
+  for (int off = 1; off <= 2; off <<= 1) {
+    d0 += __shfl_xor_sync(0xffffffffu, d0, off);
+    d1 += __shfl_xor_sync(0xffffffffu, d1, off);
+  }
+  if (q4 == 0) {
+    red_sum[w * kM + r0] = d0;
+    red_sum[w * kM + r1] = d1;
+  }
+  named_bar_sync(1, 256);
+  const float dt0 = red_sum[r0] + red_sum[kM + r0];
+  const float dt1 = red_sum[r1] + red_sum[kM + r1];
+  const float inv0 = dt0 > 0.f ? 1.f / dt0 : 0.f, inv1 = dt1 > 0.f ? 1.f / dt1 : 0.f;
+  constexpr float kLn2 = 0.69314718055994531f;
+  const float lse0 = dt0 > 0.f ? m0 * kLn2 + logf(dt0) : -INFINITY;
+  const float lse1 = dt1 > 0.f ? m1 * kLn2 + logf(dt1) : -INFINITY;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t rr = h == 0 ? rg0 : rg1;
+    if (rr >= rows) continue;
+    const int64_t g = q0 * H + rr;
+    const float inv = h == 0 ? inv0 : inv1;
+    float* orow = direct ? p.out + g * kDL : p.ws_o + (int64_t(blockIdx.y) * all_rows + g) * kDL;
+    orow += 256 * w + 2 * q4;
+#pragma unroll
+    for (int j = 0; j < 32; ++j)
+      *reinterpret_cast<float2*>(orow + 8 * j) = make_float2(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
+    if (w == 0 && q4 == 0) {
+      const float l = h == 0 ? lse0 : lse1;
+      if (direct) p.lse[g] = l;
+      else p.ws_lse[int64_t(blockIdx.y) * all_rows + g] = l;
+    }
+  }
+#endif  // KDT_SM90A_DEVICE
+}
+
+// Merges the split partial states of every (query, head) row: one warp a row, 16 columns a lane.
+__global__ void __launch_bounds__(256) merge_kernel(const Params p) {
+#if defined(KDT_SM90A_DEVICE)
+  const int64_t all_rows = int64_t(p.total_q) * p.H;
+  const int64_t g = int64_t(blockIdx.x) * 8 + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (g >= all_rows) return;
+  float lmax = -INFINITY;
+  bool nan = false;
+  for (int64_t sp = 0; sp < p.splits; ++sp) {
+    const float l = p.ws_lse[sp * all_rows + g];
+    nan |= l != l;
+    lmax = fmaxf(lmax, l);
+  }
+  float4 acc[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  float wsum = 0.f;
+  for (int64_t sp = 0; sp < p.splits; ++sp) {
+    const int64_t slot = sp * all_rows + g;
+    const float wgt = merge_weight(p.ws_lse[slot], lmax);
+    if (wgt == 0.f) continue;  // an empty chunk's o is not read
+    wsum += wgt;
+    const float4* src = reinterpret_cast<const float4*>(p.ws_o + slot * kDL);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float4 v = src[lane + 32 * i];
+      acc[i].x = fmaf(wgt, v.x, acc[i].x);
+      acc[i].y = fmaf(wgt, v.y, acc[i].y);
+      acc[i].z = fmaf(wgt, v.z, acc[i].z);
+      acc[i].w = fmaf(wgt, v.w, acc[i].w);
+    }
+  }
+  const float winv = nan ? __int_as_float(0x7fc00000) : (wsum > 0.f ? 1.f / wsum : 0.f);
+  float4* dst = reinterpret_cast<float4*>(p.out + g * kDL);
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    dst[lane + 32 * i] = make_float4(acc[i].x * winv, acc[i].y * winv, acc[i].z * winv, acc[i].w * winv);
+  if (lane == 0) p.lse[g] = nan ? __int_as_float(0x7fc00000) : merged_lse(lmax, wsum);
+#endif
+}
+
+// Whether this binary carries the sm_90a kernel for the current device: the sm_90 / sm_120
+// cubins hold only the empty stub (a handful of registers), the sm_90a one the real kernel
+// (over a hundred). cudaFuncGetAttributes reports the cubin the driver picked, without a sync,
+// so this is safe under stream capture. Cached per process (one kind of GPU per process).
+bool have_sm90a_code() {
+  static std::atomic<int> cached{-1};  // -1 unknown, 0 no, 1 yes
+  int c = cached.load(std::memory_order_relaxed);
+  if (c >= 0) return c == 1;
+  cudaFuncAttributes attr{};
+  const cudaError_t e = cudaFuncGetAttributes(&attr, attention_kernel<0>);
+  if (e != cudaSuccess) (void)cudaGetLastError();  // no image for this device: not sticky, clear it
+  const bool ok = e == cudaSuccess && attr.binaryVersion == 90 && attr.numRegs >= 64;
+  cached.store(ok ? 1 : 0, std::memory_order_relaxed);
+  return ok;
+}
+
+// Key-range splits for `base` CTAs per split (M tiles x requests) on `sms` multiprocessors, at
+// most the plan's count (the workspace is sized by the plan): the count whose waves x (tiles a
+// CTA streams + its fixed cost: Q load, epilogue; more with a partial state to write and merge)
+// is least. One CTA per SM (224 KB of shared memory each).
+int64_t choose_splits(const VerifyAttentionPlan& plan, int64_t base, int32_t max_kv, int sms) {
+  int64_t best = 1, best_cost = INT64_MAX;
+  for (int64_t s = 1; s <= plan.splits; ++s) {
+    const int64_t chunk = ((int64_t(max_kv) + s - 1) / s + kN - 1) / kN * kN;
+    const int64_t used = (int64_t(max_kv) + chunk - 1) / chunk;
+    if (used != s) continue;  // the same split as a smaller count
+    const int64_t waves = (base * s + sms - 1) / sms;
+    const int64_t cost = waves * (chunk / kN + (s > 1 ? 3 : 1));
+    if (cost < best_cost) {
+      best_cost = cost;
+      best = s;
+    }
+  }
+  return best;
+}
+
+}  // namespace
+}  // namespace sm90a
+
+kdt_status verify_attention_sm90a(const VerifyAttentionArgs& a, void* stream, void* workspace,
+                                  size_t workspace_bytes) {
+  using namespace sm90a;
+  constexpr const char* fn = "kdt_verify_attention";
+  if (a.dtype != KDT_DTYPE_BF16 || a.d_latent != kDL || a.d_rope != kDR)
+    return set_error(KDT_ERR_UNSUPPORTED, fn,
+                     "the sm90a path supports bf16 caches with d_latent 512 and d_rope 64 "
+                     "(got dtype %d, %d + %d)",
+                     int(a.dtype), a.d_latent, a.d_rope);
+  auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  if (!aligned(a.q_lat) || !aligned(a.q_pe) || !aligned(a.kv_cache) || !aligned(a.out) ||
+      (workspace != nullptr && !aligned(workspace)))
+    return set_error(KDT_ERR_UNSUPPORTED, fn,
+                     "the sm90a path needs 16-byte aligned q_lat, q_pe, kv_cache, out and workspace");
+  int dev = 0;
+  KDT_CUDA_CHECK(cudaGetDevice(&dev), fn);
+  int major = 0, minor = 0;
+  KDT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), fn);
+  KDT_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), fn);
+  if (major != 9 || minor != 0)
+    return set_error(KDT_ERR_UNSUPPORTED, fn,
+                     "the sm90a path needs a compute capability 9.0 device (this one is %d.%d)",
+                     major, minor);
+  if (!have_sm90a_code())
+    return set_error(KDT_ERR_UNSUPPORTED, fn,
+                     "this build has no sm_90a code (build with --arch sm_90a,...)");
+  const auto plan = VerifyAttentionPlan::make(a.bs, a.num_heads, a.max_tree, a.max_kv);
+  if (plan.splits == 0) return KDT_OK;  // max_kv == 0: no cache rows, so no query rows either
+  const int64_t m_tiles = (int64_t(a.max_tree) * a.num_heads + kM - 1) / kM;
+  if (plan.splits > 65535 || a.bs > 65535 || m_tiles > 0x7fffffff)
+    return set_error(KDT_ERR_UNSUPPORTED, fn,
+                     "grid too large for one launch (splits %lld, bs %d, M tiles %lld)",
+                     (long long)plan.splits, a.bs, (long long)m_tiles);
+  int sms = 132;
+  KDT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), fn);
+  const int64_t splits = choose_splits(plan, m_tiles * a.bs, a.max_kv, sms);
+  const int64_t chunk = (int64_t(a.max_kv) + splits - 1) / splits;
+  const int64_t chunk_tiled = (chunk + kN - 1) / kN * kN;
+  const size_t need = plan.workspace_bytes(a.total_q, a.num_heads, a.d_latent);
+  if (splits > 1 && (workspace == nullptr || workspace_bytes < need))
+    return set_error(KDT_ERR_INVALID_ARGUMENT, fn,
+                     "workspace_bytes = %zu is below the %zu bytes the split prefix needs",
+                     workspace_bytes, need);
+  Params prm{};
+  prm.q_indptr = a.q_indptr;
+  prm.kv_indptr = a.kv_indptr;
+  prm.q_lat = static_cast<const uint16_t*>(a.q_lat);
+  prm.q_pe = static_cast<const uint16_t*>(a.q_pe);
+  prm.kv = static_cast<const uint16_t*>(a.kv_cache);
+  prm.vis = a.visibility;
+  prm.out = a.out;
+  prm.lse = a.lse;
+  const size_t o_elems = size_t(plan.splits) * size_t(a.total_q) * size_t(a.num_heads) * kDL;
+  prm.ws_o = static_cast<float*>(workspace);
+  prm.ws_lse = workspace ? static_cast<float*>(workspace) + o_elems : nullptr;
+  prm.H = a.num_heads;
+  prm.total_q = a.total_q;
+  prm.total_kv = a.total_kv;
+  prm.max_tree = a.max_tree;
+  prm.max_kv = a.max_kv;
+  prm.vis_words = a.vis_words;
+  prm.chunk = chunk_tiled;
+  prm.splits = (int64_t(a.max_kv) + chunk_tiled - 1) / chunk_tiled;
+  prm.scale_log2 = a.softmax_scale * 1.4426950408889634f;
+  static std::atomic<uint64_t> smem_set{0};
+  const uint64_t bit = dev < 64 ? (uint64_t(1) << dev) : 0;
+  if (!bit || !(smem_set.load(std::memory_order_relaxed) & bit)) {
+    KDT_CUDA_CHECK(cudaFuncSetAttribute(attention_kernel<0>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes),
+                   fn);
+    KDT_CUDA_CHECK(cudaFuncSetAttribute(attention_kernel<1>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes),
+                   fn);
+    smem_set.fetch_or(bit, std::memory_order_relaxed);
+  }
+  // KDT_SM90A_VARIANT=1 selects the experimental decomposition (read on every call, so that a
+  // benchmark can compare both in one process; getenv is cheap next to the launch).
+  const char* variant = std::getenv("KDT_SM90A_VARIANT");
+  const bool v1 = variant != nullptr && std::strcmp(variant, "1") == 0;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const dim3 grid(unsigned(m_tiles), unsigned(prm.splits), unsigned(a.bs));
+  if (v1)
+    attention_kernel<1><<<grid, kThreads, kSmemBytes, s>>>(prm);
+  else
+    attention_kernel<0><<<grid, kThreads, kSmemBytes, s>>>(prm);
+  KDT_CUDA_CHECK(cudaGetLastError(), fn);
+  if (prm.splits > 1) {
+    const int64_t all_rows = int64_t(a.total_q) * a.num_heads;
+    merge_kernel<<<unsigned((all_rows + 7) / 8), 256, 0, s>>>(prm);
+    KDT_CUDA_CHECK(cudaGetLastError(), fn);
+  }
+  return KDT_OK;
+}
+
+}  // namespace kdt
+
+// Temporary internal entry (not in kdtree.h): the sm90a path alone, with kdt_verify_attention's
+// arguments, for bench/sm90a_attention.py until the dispatcher offers a forced path "sm90a".
+// CUDA backend only; KDT_ERR_UNSUPPORTED when the path cannot run here.
+extern "C" KDT_API kdt_status kdt_verify_attention_sm90a_debug(
+    kdt_backend backend, void* stream, kdt_dtype dtype, int32_t bs, int32_t num_heads,
+    int32_t d_latent, int32_t d_rope, int32_t total_q, int32_t total_kv, int32_t max_tree,
+    int32_t max_kv, const int32_t* q_indptr, const int32_t* kv_indptr, const void* q_lat,
+    const void* q_pe, const void* kv_cache, const uint32_t* visibility, int32_t vis_words,
+    float softmax_scale, float* out, float* lse, void* workspace, size_t workspace_bytes) {
+  constexpr const char* fn = "kdt_verify_attention_sm90a_debug";
+  kdt::clear_error();
+  KDT_CHECK_ARG(backend == KDT_BACKEND_CUDA, fn, "backend = %d: only KDT_BACKEND_CUDA", int(backend));
+  KDT_CHECK_ARG(bs >= 1 && num_heads >= 1 && total_q >= 1 && max_tree >= 1 && max_kv >= 1, fn,
+                "bs %d, num_heads %d, total_q %d, max_tree %d, max_kv %d must all be >= 1", bs,
+                num_heads, total_q, max_tree, max_kv);
+  KDT_CHECK_ARG(total_kv >= total_q, fn, "total_kv = %d < total_q = %d", total_kv, total_q);
+  KDT_CHECK_ARG(vis_words >= (max_tree + 31) / 32, fn, "vis_words = %d < ceil(max_tree / 32)",
+                vis_words);
+  KDT_CHECK_PTR(q_indptr, fn);
+  KDT_CHECK_PTR(kv_indptr, fn);
+  KDT_CHECK_PTR(q_lat, fn);
+  KDT_CHECK_PTR(q_pe, fn);
+  KDT_CHECK_PTR(kv_cache, fn);
+  KDT_CHECK_PTR(visibility, fn);
+  KDT_CHECK_PTR(out, fn);
+  KDT_CHECK_PTR(lse, fn);
+  kdt::VerifyAttentionArgs a{dtype,     bs,        num_heads,     d_latent, d_rope,
+                             total_q,   total_kv,  max_tree,      max_kv,   q_indptr,
+                             kv_indptr, q_lat,     q_pe,          kv_cache, visibility,
+                             vis_words, softmax_scale, out,       lse};
+  return kdt::verify_attention_sm90a(a, stream, workspace, workspace_bytes);
+}
