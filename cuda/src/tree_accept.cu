@@ -71,10 +71,18 @@ kdt_status tree_accept_cuda(const TreeAcceptArgs& a, void* stream) {
     return KDT_OK;
   }
   const size_t smem = (size_t)a.n * (2 * sizeof(int64_t) + 2 * sizeof(int32_t));
-  if (smem > 48 * 1024)
+  // The shared-memory opt-in, once per device at the largest size (no attribute call later,
+  // under graph capture).
+  static bool opted[64] = {};
+  int dev = 0;
+  KDT_CUDA_CHECK(cudaGetDevice(&dev), fn);
+  if (smem > 48 * 1024 && (dev < 0 || dev >= 64 || !opted[dev])) {
+    const int most = kMaxSharedN * (int)(2 * sizeof(int64_t) + 2 * sizeof(int32_t));
     KDT_CUDA_CHECK(cudaFuncSetAttribute(tree_accept_kernel,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, most),
                    fn);
+    if (dev >= 0 && dev < 64) opted[dev] = true;
+  }
   tree_accept_kernel<<<a.bs, 32, smem, st>>>(a);
   KDT_CUDA_CHECK(cudaGetLastError(), fn);
   return KDT_OK;

@@ -277,9 +277,18 @@ kdt_status tree_build_cuda(const TreeBuildArgs& a, void* stream) {
   if (use_parallel()) {
     const int T = tree::par::threads_for(a.budget);
     const size_t psmem = par_smem_bytes(a.budget, T);
-    KDT_CUDA_CHECK(cudaFuncSetAttribute(tree_build_parallel_kernel,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)psmem),
-                   fn);
+    // The shared-memory opt-in, once per device at the largest budget's size, so that a later
+    // call under graph capture makes no attribute call.
+    static bool opted[64] = {};
+    int dev = 0;
+    KDT_CUDA_CHECK(cudaGetDevice(&dev), fn);
+    if (dev < 0 || dev >= 64 || !opted[dev]) {
+      const int most = (int)par_smem_bytes(tree::kMaxBudget, tree::par::threads_for(tree::kMaxBudget));
+      KDT_CUDA_CHECK(cudaFuncSetAttribute(tree_build_parallel_kernel,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize, most),
+                     fn);
+      if (dev >= 0 && dev < 64) opted[dev] = true;
+    }
     tree_build_parallel_kernel<<<a.bs, T, psmem, st>>>(a);
     KDT_CUDA_CHECK(cudaGetLastError(), fn);
     return KDT_OK;
