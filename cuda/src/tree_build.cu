@@ -277,21 +277,32 @@ kdt_status tree_build_cuda(const TreeBuildArgs& a, void* stream) {
   if (use_parallel()) {
     const int T = tree::par::threads_for(a.budget);
     const size_t psmem = par_smem_bytes(a.budget, T);
-    // The shared-memory opt-in, once per device at the largest budget's size, so that a later
-    // call under graph capture makes no attribute call.
-    static bool opted[64] = {};
+    // The shared-memory opt-in, once per device at the largest size the device allows, so that
+    // a later call under graph capture makes no attribute call. A budget whose pool does not
+    // fit (devices with < 200 KB per block, budgets near 1024) runs the serial kernel.
+    static int optin[64] = {};
     int dev = 0;
     KDT_CUDA_CHECK(cudaGetDevice(&dev), fn);
-    if (dev < 0 || dev >= 64 || !opted[dev]) {
-      const int most = (int)par_smem_bytes(tree::kMaxBudget, tree::par::threads_for(tree::kMaxBudget));
-      KDT_CUDA_CHECK(cudaFuncSetAttribute(tree_build_parallel_kernel,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize, most),
+    int limit = 48 * 1024;
+    if (dev >= 0 && dev < 64 && optin[dev]) {
+      limit = optin[dev];
+    } else {
+      KDT_CUDA_CHECK(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
                      fn);
-      if (dev >= 0 && dev < 64) opted[dev] = true;
+      limit -= 1024;  // the kernel's static shared memory (S, used)
+      const int most =
+          (int)par_smem_bytes(tree::kMaxBudget, tree::par::threads_for(tree::kMaxBudget));
+      limit = limit < most ? limit : most;
+      KDT_CUDA_CHECK(cudaFuncSetAttribute(tree_build_parallel_kernel,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize, limit),
+                     fn);
+      if (dev >= 0 && dev < 64) optin[dev] = limit;
     }
-    tree_build_parallel_kernel<<<a.bs, T, psmem, st>>>(a);
-    KDT_CUDA_CHECK(cudaGetLastError(), fn);
-    return KDT_OK;
+    if (psmem <= (size_t)limit) {
+      tree_build_parallel_kernel<<<a.bs, T, psmem, st>>>(a);
+      KDT_CUDA_CHECK(cudaGetLastError(), fn);
+      return KDT_OK;
+    }
   }
   const size_t smem = smem_bytes(a.budget + 1);
   if (use_warp_variant())
