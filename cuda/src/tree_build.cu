@@ -196,6 +196,14 @@ size_t par_smem_bytes(int budget, int T) {
          cap * 2 * 2 + n * 2 * 2;
 }
 
+// The request's log-probs are staged in shared memory (after the arrays above) when they take
+// at most this many bytes: the sibling chains then read them at shared-memory latency.
+constexpr size_t kStageLogpBytes = 16 * 1024;
+size_t stage_bytes(int L, int K) {
+  const size_t b = (size_t)L * K * sizeof(float);
+  return b <= kStageLogpBytes ? b : 0;
+}
+
 __global__ void tree_build_parallel_kernel(TreeBuildArgs a) {
   extern __shared__ double smem[];
   const int n = a.budget + 1, W = (n + 31) / 32, T = blockDim.x;
@@ -231,6 +239,12 @@ __global__ void tree_build_parallel_kernel(TreeBuildArgs a) {
   const size_t lk = (size_t)a.L * a.K;
   const float* lp = a.top_logp + b * lk;
   const int64_t* ids = a.top_ids + b * lk;
+  if (stage_bytes(a.L, a.K)) {
+    float* staged = reinterpret_cast<float*>(next_sibling + n);
+    for (size_t i = threadIdx.x; i < lk; i += blockDim.x) staged[i] = lp[i];
+    lp = staged;
+    __syncthreads();
+  }
   const tree::par::Nodes nodes{node_score, node_cand, first_child, next_sibling};
   GpuBlock blk;
   int u = tree::par::build(blk, S, nodes, lp, a.L, a.K, a.budget, cap);
@@ -276,7 +290,7 @@ kdt_status tree_build_cuda(const TreeBuildArgs& a, void* stream) {
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   if (use_parallel()) {
     const int T = tree::par::threads_for(a.budget);
-    const size_t psmem = par_smem_bytes(a.budget, T);
+    const size_t psmem = par_smem_bytes(a.budget, T) + stage_bytes(a.L, a.K);
     // The shared-memory opt-in, once per device at the largest size the device allows, so that
     // a later call under graph capture makes no attribute call. A budget whose pool does not
     // fit (devices with < 200 KB per block, budgets near 1024) runs the serial kernel.
@@ -291,7 +305,8 @@ kdt_status tree_build_cuda(const TreeBuildArgs& a, void* stream) {
                      fn);
       limit -= 1024;  // the kernel's static shared memory (S, used)
       const int most =
-          (int)par_smem_bytes(tree::kMaxBudget, tree::par::threads_for(tree::kMaxBudget));
+          (int)(par_smem_bytes(tree::kMaxBudget, tree::par::threads_for(tree::kMaxBudget)) +
+                kStageLogpBytes);
       limit = limit < most ? limit : most;
       KDT_CUDA_CHECK(cudaFuncSetAttribute(tree_build_parallel_kernel,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize, limit),

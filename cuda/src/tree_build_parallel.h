@@ -105,6 +105,7 @@ struct Shared {
   int* hist;           // [kBins + 33] histogram, then 33 warp-group sums
   // scalars
   int cur, pool_n, lvl_begin, lvl_end, total, flags, cut_bin, alive;
+  int kept, cut_count;  // kept: entries >= t_lo but the root; cut_count: in bins 0..cut_bin
   unsigned long long umin, umax;
   int lvl_new;
   double t_lo;
@@ -206,6 +207,7 @@ KDT_HD bool alive(const Shared& S, int e) { return e == 0 || S.score[S.cur][e] >
 template <class Block>
 KDT_HD void refine(Block& blk, Shared& S, int budget, const float* lp, int K, int d, bool cands) {
   const int T = blk.threads();
+  if (S.kept + (cands ? S.total : 0) <= budget) return;  // nothing to cut (no pass needed)
   // g(score) for every kept entry in thread t's share (and its share of the candidates).
   auto visit = [&](int t, auto g) {
     int a, b;
@@ -257,6 +259,7 @@ KDT_HD void refine(Block& blk, Shared& S, int budget, const float* lp, int K, in
     int j = grp * g;
     while (j < kBins - 1 && cum + S.hist[j] < budget) cum += S.hist[j++];
     S.cut_bin = j;
+    S.cut_count = cum + S.hist[j];
     S.umin = ~0ull;
   });
   blk.run([&](int t) {
@@ -273,6 +276,8 @@ KDT_HD void refine(Block& blk, Shared& S, int budget, const float* lp, int K, in
     if (t == 0 && S.umin != ~0ull) {
       const double nt = unordered(S.umin);
       if (nt > S.t_lo) S.t_lo = nt;
+      // Bins are score intervals, best first: exactly the bins 0..j score >= the new t_lo.
+      if (!cands) S.kept = S.cut_count;
     }
   });
 }
@@ -319,6 +324,7 @@ KDT_HD void compact(Block& blk, Shared& S) {
     S.lvl_begin = S.lvl_begin >= S.pool_n ? S.total : S.lvl_new;
     S.lvl_end = S.total;
     S.pool_n = S.total;
+    S.kept = S.total - 1;
     S.cur = 1 - S.cur;
   });
 }
@@ -339,6 +345,7 @@ KDT_HD int build(Block& blk, Shared& S, const Nodes& N, const float* lp, int L, 
     S.lvl_begin = 0;
     S.lvl_end = 1;
     S.flags = 0;
+    S.kept = 0;
     S.t_lo = -INFINITY;
   });
   for (int d = 1; d <= L; ++d) {
@@ -389,6 +396,7 @@ KDT_HD int build(Block& blk, Shared& S, const Nodes& N, const float* lp, int L, 
       if (t != 0) return;
       S.lvl_begin = S.pool_n;
       S.pool_n += S.total;
+      S.kept += S.total;
       S.lvl_end = S.pool_n;
     });
     refine(blk, S, budget, lp, K, d, false);
