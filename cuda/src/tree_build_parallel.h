@@ -198,7 +198,7 @@ KDT_HD int child_walk(Shared& S, const float* lp, int K, int budget, int e, int 
 
 KDT_HD bool alive(const Shared& S, int e) { return e == 0 || S.score[S.cur][e] >= S.t_lo; }
 
-// Raises t_lo when more than `budget` nodes are kept: histogram the kept scores between the
+// Raises t_lo when at least `budget` nodes are kept: histogram the kept scores between the
 // lowest and the highest into kBins bins (a monotone map, so each bin is a score interval), find
 // the first bin j where the bins 0..j (best first) hold >= budget nodes, and set t_lo to the
 // lowest kept score in bins 0..j. At least `budget` nodes score >= t_lo, so the B-th best does.
@@ -207,7 +207,10 @@ KDT_HD bool alive(const Shared& S, int e) { return e == 0 || S.score[S.cur][e] >
 template <class Block>
 KDT_HD void refine(Block& blk, Shared& S, int budget, const float* lp, int K, int d, bool cands) {
   const int T = blk.threads();
-  if (S.kept + (cands ? S.total : 0) <= budget) return;  // nothing to cut (no pass needed)
+  // Fewer than `budget` nodes give no bound; exactly `budget` bound it by their lowest score
+  // (worth a pass only while there is no bound yet).
+  const int have = S.kept + (cands ? S.total : 0);
+  if (have < budget || (have == budget && S.t_lo != -INFINITY)) return;
   // g(score) for every kept entry in thread t's share (and its share of the candidates).
   auto visit = [&](int t, auto g) {
     int a, b;
@@ -234,7 +237,7 @@ KDT_HD void refine(Block& blk, Shared& S, int budget, const float* lp, int K, in
     });
     if (n) { atomic_add(&S.alive, n); atomic_min(&S.umin, lo); atomic_max(&S.umax, hi); }
   });
-  if (S.alive <= budget) return;
+  if (S.alive < budget) return;
   const double lo = unordered(S.umin), hi = unordered(S.umax);
   if (!(hi > lo)) return;
   const double scale = (double)kBins / (hi - lo);
