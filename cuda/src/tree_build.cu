@@ -5,7 +5,7 @@
 //   parallel (the default): tree_build_parallel.h with 128-512 threads per block (level-by-level
 //     expansion under a rising score bound, then a bitonic sort of the kept nodes); a request it
 //     declines (a score above its generator, or a pool overflow from masses of exact ties) is
-//     built by the block's thread 0 with the serial heap, in the same launch.
+//     built by the block's warp 0 with the serial warp selection below, in the same launch.
 //   serial: the earlier kernel below, 128 threads per block, the selection serial.
 //
 // Two serial selection variants, both reproducing the CPU order exactly (same float64 scores, same
@@ -249,8 +249,9 @@ __global__ void tree_build_parallel_kernel(TreeBuildArgs a) {
   GpuBlock blk;
   int u = tree::par::build(blk, S, nodes, lp, a.L, a.K, a.budget, cap);
   if (u < 0) {
-    // The serial heap over the pool's memory (its 20 n bytes fit in the pool's 40 cap).
-    if (threadIdx.x == 0) {
+    // The serial selection (warp variant) over the pool's memory: its frontier and keys (20 n
+    // bytes) fit in the pool's 40 cap.
+    if (threadIdx.x < 32) {
       tree::Scratch s;
       s.heap_score = pool;
       s.node_key = keys;
@@ -260,7 +261,8 @@ __global__ void tree_build_parallel_kernel(TreeBuildArgs a) {
       s.first_child = first_child;
       s.next_sibling = next_sibling;
       tree::set_key_layout(s, a.L, a.K);
-      used = tree::build_one(lp, a.L, a.K, a.budget, s);
+      const int w = warp_build_one(lp, a.L, a.K, a.budget, s);
+      if (threadIdx.x == 0) used = w;
     }
     __syncthreads();
     u = used;
