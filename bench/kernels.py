@@ -33,7 +33,8 @@ from bench import format_table
 from bench.inputs import KIMI_K2, accept_target, attention_inputs, tree_inputs
 from bench.native_calls import (prepare_tree_accept, prepare_tree_build,
                                 prepare_verify_attention, to_numpy)
-from bench.timing import summarize, time_cpu, time_cuda
+from bench.timing import summarize, time_cpu, time_cuda, time_cuda_graph
+from bench.tree_algo import ALGOS, side_stream, tree_algo
 from bench.validate import (ACCEPT_FIELDS, TREE_FIELDS, check_close, check_exact,
                             sample_requests)
 
@@ -108,28 +109,53 @@ def _rate(value, unit, formula) -> dict:
 
 
 def _tree_and_accept(lib, device, bs, budget, rng, seed, timer) -> list:
-    """Build (validated, timed), then accept on the built tree (validated, timed)."""
+    """Build (validated, timed) with each algorithm, then accept on the built tree (validated,
+    timed). On CUDA each is timed two ways: one call between events (`timer`, launch from
+    Python included) and the kernel alone (`kernel_alone`: a CUDA graph of N calls / N)."""
+    with side_stream(device):  # graph capture needs a stream other than the legacy default
+        return _tree_and_accept_on_stream(lib, device, bs, budget, rng, seed, timer)
+
+
+def _kernel_alone(device, fn) -> dict | None:
+    if device != "cuda":
+        return None
+    s = time_cuda_graph(fn, calls=20, reps=20)
+    return {"summary": summarize(s), "samples": s,
+            "timing": "20 calls in one CUDA graph, replayed, / 20 (no L2 flush)"}
+
+
+def _tree_and_accept_on_stream(lib, device, bs, budget, rng, seed, timer) -> list:
     from engine.reference import ddtree
 
     K = min(budget, 64)
-    case = {"bs": bs, "budget": budget, "L": L, "K": K}
     inp = tree_inputs(rng, bs, L, K)
-    prep = prepare_tree_build(lib, device, inp, budget)
-    prep.run()
-    _sync(device)
     rows = sample_requests(bs, budget)
     ref = ddtree.build_tree(*(inp[k][rows] for k in ("top_logp", "top_ids")), budget,
                             *(inp[k][rows] for k in ("root_ids", "seq_lens")))
-    v = check_exact(prep.outputs, ref, TREE_FIELDS, None if len(rows) == bs else rows)
-    out = []
-    if not v["ok"]:
-        return [_record("tree_build", device, case, v, seed=seed)]
-    s = timer(prep.run)
-    med = summarize(s)["median"]
-    out.append(_record("tree_build", device, case, v, s, {
-        "nodes_per_s": _rate(bs * budget / med, "nodes/s", "bs * budget / median"),
-        "us_per_request": _rate(med / bs * 1e6, "us", "median / bs"),
-    }, seed))
+    out, prep = [], None
+    for algo in ALGOS[device]:
+        case = {"bs": bs, "budget": budget, "L": L, "K": K, "algo": algo}
+        with tree_algo(algo):
+            p = prepare_tree_build(lib, device, inp, budget)
+            p.run()
+            _sync(device)
+            v = check_exact(p.outputs, ref, TREE_FIELDS, None if len(rows) == bs else rows)
+            if not v["ok"]:
+                out.append(_record("tree_build", device, case, v, seed=seed))
+                continue
+            s = timer(p.run)
+            alone = _kernel_alone(device, p.run)
+        med = summarize(s)["median"]
+        rec = _record("tree_build", device, case, v, s, {
+            "nodes_per_s": _rate(bs * budget / med, "nodes/s", "bs * budget / median"),
+            "us_per_request": _rate(med / bs * 1e6, "us", "median / bs"),
+        }, seed)
+        if alone:
+            rec["kernel_alone"] = alone
+        out.append(rec)
+        prep = prep or p
+    if prep is None:
+        return out
 
     tree = ddtree.Tree(**{f: to_numpy(prep.outputs[f]).view(np.uint32) if f == "visibility"
                           else to_numpy(prep.outputs[f]) for f in TREE_FIELDS})
@@ -140,14 +166,18 @@ def _tree_and_accept(lib, device, bs, budget, rng, seed, timer) -> list:
     ref_acc = ddtree.accept_greedy(tree, target)
     v = check_exact(acc.outputs, ref_acc, ACCEPT_FIELDS)
     v["mean_accept_len"] = float(np.mean(ref_acc.accept_len))
-    case_a = dict(case, n=budget + 1)
+    case_a = {"bs": bs, "budget": budget, "L": L, "K": K, "n": budget + 1}
     if not v["ok"]:
         out.append(_record("tree_accept", device, case_a, v, seed=seed))
         return out
     s = timer(acc.run)
     med = summarize(s)["median"]
-    out.append(_record("tree_accept", device, case_a, v, s, {
-        "requests_per_s": _rate(bs / med, "requests/s", "bs / median")}, seed))
+    rec = _record("tree_accept", device, case_a, v, s, {
+        "requests_per_s": _rate(bs / med, "requests/s", "bs / median")}, seed)
+    alone = _kernel_alone(device, acc.run)
+    if alone:
+        rec["kernel_alone"] = alone
+    out.append(rec)
     return out
 
 
@@ -506,6 +536,10 @@ def table(results) -> str:
         shape = (f"bs={c.get('bs')} B={c.get('budget')}" if "budget" in c else
                  f"bs={c.get('bs')} P={c.get('prefix')} T={c.get('tree')} {c.get('dtype')} "
                  f"{c.get('path', '-')}" if "prefix" in c else "-")
+        if "algo" in c:
+            shape += f" {c['algo']}"
+        if r.get("kernel_alone"):  # tree kernels on CUDA: the kernel alone beside the call
+            shape += f" (alone {r['kernel_alone']['summary']['median'] * 1e6:.1f} us)"
         rates = r.get("rates", {})
         if r["bench"] == "verify_attention" and rates:
             k = rates.get("kernel_s", {}).get("value")

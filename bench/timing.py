@@ -6,6 +6,9 @@ read after one synchronise at the end, so the host never stalls the device betwe
 Before each rep a buffer of twice the L2 size is overwritten (`flush_l2`), so the timed call
 starts with a cold L2, as a kernel inside a decode step does (the layers before it evicted it).
 
+`time_cuda_graph`: the kernel alone, N calls captured in one CUDA graph, replayed, divided by N
+(one call between events also carries the launch from Python).
+
 Every helper returns the raw samples; `summarize` turns them into the figures the JSON keeps
 beside them (median, min, p10, p90, mean, n).
 """
@@ -18,7 +21,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["summarize", "time_cpu", "time_cuda", "l2_flush_bytes"]
+__all__ = ["summarize", "time_cpu", "time_cuda", "time_cuda_graph", "l2_flush_bytes"]
 
 
 def summarize(samples: Sequence[float]) -> dict:
@@ -124,4 +127,51 @@ def time_cuda(fn: Callable[[], object], warmup: int = 5, reps: int = 50, flush_l
     samples = [s.elapsed_time(e) * 1e-3 for s, e in pairs]  # elapsed_time is in ms
     if not all(math.isfinite(v) and v >= 0 for v in samples):
         raise RuntimeError(f"time_cuda: events returned invalid times {samples[:4]}")
+    return samples
+
+
+def time_cuda_graph(fn: Callable[[], object], calls: int = 20, reps: int = 20,
+                    warmup: int = 2) -> list[float]:
+    """Samples (s per call) of `fn()` as the kernel alone: `calls` calls captured in one CUDA
+    graph (torch.cuda.CUDAGraph, on torch's current stream), replayed `reps` times between CUDA
+    events, each sample the replay's time divided by `calls`. No L2 flush (the calls run back to
+    back, as a step's kernels do). `fn` must launch its work on torch's current stream (set it
+    with `torch.cuda.stream(...)` before preparing the call: capture refuses the legacy stream),
+    with no host synchronisation and no allocation inside.
+    """
+    import torch
+
+    _check_counts("time_cuda_graph", warmup, reps)
+    if calls < 1:
+        raise ValueError(f"time_cuda_graph: calls must be >= 1, got {calls}")
+    if not torch.cuda.is_available():
+        raise RuntimeError("time_cuda_graph: torch reports no CUDA device")
+    if torch.cuda.current_stream() == torch.cuda.default_stream():
+        raise RuntimeError("time_cuda_graph: capture needs a side stream: prepare and time the "
+                           "call inside `with torch.cuda.stream(torch.cuda.Stream()):`")
+    fn()  # first-call setup (function attributes) outside the capture
+    torch.cuda.current_stream().synchronize()
+    graph = torch.cuda.CUDAGraph()
+    graph.capture_begin()
+    try:
+        for _ in range(calls):
+            fn()
+    finally:
+        graph.capture_end()
+    for _ in range(warmup):
+        graph.replay()
+    torch.cuda.current_stream().synchronize()
+    pairs = []
+    for _ in range(reps):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        pairs.append((start, end))
+    torch.cuda.current_stream().synchronize()
+    samples = [s.elapsed_time(e) * 1e-3 / calls for s, e in pairs]
+    if not all(math.isfinite(v) and v >= 0 for v in samples):
+        raise RuntimeError(f"time_cuda_graph: events returned invalid times {samples[:4]}")
+    del graph
     return samples

@@ -1,9 +1,11 @@
 """Suite `tree_build`: the head-to-head at identical inputs, per (bs, budget).
 
 Backends:
-  native-cuda   kdt_tree_build's CUDA kernel, a bare C-ABI call timed with CUDA events (inputs
-                and outputs stay on the device; no L2 flush: a real step's drafter has just
-                written the inputs, so they are L2-hot)
+  native-cuda   kdt_tree_build's CUDA kernel (the parallel build), a bare C-ABI call timed with
+                CUDA events (inputs and outputs stay on the device; no L2 flush: a real step's
+                drafter has just written the inputs, so they are L2-hot); the record's
+                `kernel_alone` times the kernel alone (a CUDA graph of 20 calls, replayed, / 20)
+  native-cuda-serial  the same with KDT_TREE_BUILD=serial (the earlier serial kernel)
   native-cpu    the library's CPU backend, bare call, monotonic clock
   sglang-<dev>  engine.baselines.sglang_cpu.build_tree on torch tensors on <dev> (cuda when a
                 GPU is present, else cpu), timed as SGLang runs it: its device-to-host copies,
@@ -22,7 +24,8 @@ import numpy as np
 from bench import format_table
 from bench.inputs import tree_inputs
 from bench.native_calls import prepare_tree_build
-from bench.timing import summarize, time_cpu, time_cuda
+from bench.timing import summarize, time_cpu, time_cuda, time_cuda_graph
+from bench.tree_algo import ALGOS, side_stream, tree_algo
 from bench.validate import TREE_FIELDS, check_exact, sample_requests
 
 NAME = "tree_build"
@@ -120,6 +123,28 @@ def _rec(backend, case, v, samples=None, seed=None, timing=None) -> dict:
     return r
 
 
+def _native(lib, dev, name, inp, budget, ref, rows, bs, case, seed, quick) -> dict:
+    """One native backend: validated, then timed (CUDA: also the kernel alone)."""
+    prep = prepare_tree_build(lib, dev, inp, budget)
+    prep.run()
+    if dev == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+    v = check_exact(prep.outputs, ref, TREE_FIELDS, None if len(rows) == bs else rows)
+    if not v["ok"]:
+        return _rec(name, case, v, seed=seed)
+    if dev == "cuda":
+        s = time_cuda(prep.run, warmup=5, reps=200, flush_l2=False, budget_s=0.2)
+        rec = _rec(name, case, v, s, seed, "CUDA events around the bare kernel call")
+        g = time_cuda_graph(prep.run, calls=20, reps=20)
+        rec["kernel_alone"] = {"summary": summarize(g), "samples": g,
+                               "timing": "20 calls in one CUDA graph, replayed, / 20"}
+        return rec
+    s = time_cpu(prep.run, warmup=2, reps=200, budget_s=0.1 if quick else 0.5)
+    return _rec(name, case, v, s, seed, "monotonic clock around the bare CPU-backend call")
+
+
 def _case(lib, devices, bs, budget, seed, quick) -> list:
     from engine.reference import ddtree
 
@@ -132,27 +157,15 @@ def _case(lib, devices, bs, budget, seed, quick) -> list:
                             *(inp[k][rows] for k in ("root_ids", "seq_lens")))
     recs = []
     for dev in devices:
-        name = f"native-{dev}"
-        try:
-            prep = prepare_tree_build(lib, dev, inp, budget)
-            prep.run()
-            if dev == "cuda":
-                import torch
-
-                torch.cuda.synchronize()
-            v = check_exact(prep.outputs, ref, TREE_FIELDS, None if len(rows) == bs else rows)
-            if not v["ok"]:
-                recs.append(_rec(name, case, v, seed=seed))
-                continue
-            if dev == "cuda":
-                s = time_cuda(prep.run, warmup=5, reps=200, flush_l2=False, budget_s=0.2)
-                timing = "CUDA events around the bare kernel call"
-            else:
-                s = time_cpu(prep.run, warmup=2, reps=200, budget_s=0.1 if quick else 0.5)
-                timing = "monotonic clock around the bare CPU-backend call"
-            recs.append(_rec(name, case, v, s, seed, timing))
-        except Exception as e:
-            recs.append(_rec(name, case, {"ok": False, "error": f"{type(e).__name__}: {e}"}, seed=seed))
+        for algo in ALGOS[dev]:
+            name = f"native-{dev}" + ("" if algo == ALGOS[dev][0] else f"-{algo}")
+            try:
+                with side_stream(dev), tree_algo(algo):
+                    recs.append(_native(lib, dev, name, inp, budget, ref, rows, bs, case, seed,
+                                        quick))
+            except Exception as e:
+                recs.append(_rec(name, case, {"ok": False, "error": f"{type(e).__name__}: {e}"},
+                                 seed=seed))
     sg_dev = "cuda" if "cuda" in devices else "cpu"
     name = f"sglang-{sg_dev}"
     try:
@@ -213,9 +226,11 @@ def table(results) -> str:
     for r in results:
         c, s = r["case"], r.get("summary")
         sp = r.get("rates", {}).get("speedup_vs_sglang")
+        ka = r.get("kernel_alone")
         rows.append([r["backend"], c["bs"], c["budget"], s["median"] * 1e6 if s else None,
+                     ka["summary"]["median"] * 1e6 if ka else None,
                      s["p10"] * 1e6 if s else None, s["p90"] * 1e6 if s else None,
                      f"{sp['value']:.1f}x" if sp else "-",
                      "ok" if r["validation"].get("ok") else "INVALID: " + r["validation"].get("error", "")[:60]])
-    return format_table(["backend", "bs", "budget", "median us", "p10 us", "p90 us",
+    return format_table(["backend", "bs", "budget", "median us", "alone us", "p10 us", "p90 us",
                          "vs sglang", "check"], rows)

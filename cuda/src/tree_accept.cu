@@ -1,6 +1,9 @@
-// tree_accept.cu: CUDA backend of kdt_tree_accept. One warp per request: the lanes clear the
-// request's accept_index row, then lane 0 runs the bounded walk of tree_accept_core.h (the same
-// code as the CPU backend). No host synchronisation: safe under CUDA graph capture.
+// tree_accept.cu: CUDA backend of kdt_tree_accept. One warp (one block) per request: the lanes
+// copy the request's tokens, target argmaxes and links into shared memory (coalesced, links
+// narrowed to int32 by tree::link_narrow) and clear its accept_index row; then lane 0 runs the
+// bounded walk of tree_accept_core.h (the same code as the CPU backend) on the shared copy, so
+// each link followed costs a shared-memory load instead of a dependent global load. Status codes
+// and bounds are exactly the CPU backend's (larger trees: the global walk below). No host synchronisation: safe under graph capture.
 #include <cuda_runtime.h>
 
 #include "common.h"
@@ -10,12 +13,40 @@
 namespace kdt {
 namespace {
 
-constexpr int kWarpsPerBlock = 4;
+__global__ void __launch_bounds__(32) tree_accept_kernel(TreeAcceptArgs a) {
+  extern __shared__ int64_t sm[];
+  const int lane = threadIdx.x;
+  const int n = a.n;
+  const long long b = blockIdx.x;
+  const size_t o = (size_t)b * n;
+  int64_t* tok = sm;
+  int64_t* want = sm + n;
+  int32_t* fc = reinterpret_cast<int32_t*>(sm + 2 * n);
+  int32_t* ns = fc + n;
+  int32_t* idx = a.accept_index + o;
+  for (int i = lane; i < n; i += 32) {
+    tok[i] = a.tokens[o + i];
+    want[i] = a.target_argmax[o + i];
+    fc[i] = tree::link_narrow(a.first_child[o + i], n);
+    ns[i] = tree::link_narrow(a.next_sibling[o + i], n);
+    idx[i] = -1;
+  }
+  __syncwarp();
+  if (lane != 0) return;
+  const int nn = a.num_nodes ? a.num_nodes[b] : n;
+  const tree::AcceptResult r = tree::accept_one(n, nn, tok, fc, ns, want, idx);
+  a.accept_len[b] = r.len;
+  a.bonus[b] = r.bonus;
+  a.status[b] = r.status;
+}
 
-__global__ void __launch_bounds__(32 * kWarpsPerBlock) tree_accept_kernel(TreeAcceptArgs a) {
-  const int lane = threadIdx.x & 31;
-  const long long b = (long long)blockIdx.x * kWarpsPerBlock + (threadIdx.x >> 5);
-  if (b >= a.bs) return;
+// Trees too large for the shared copy (n > kMaxSharedN: the ABI bounds n only below) walk the
+// global arrays directly: one warp per request, lane 0 walking.
+constexpr int kMaxSharedN = 4096;
+
+__global__ void __launch_bounds__(32) tree_accept_global_kernel(TreeAcceptArgs a) {
+  const int lane = threadIdx.x;
+  const long long b = blockIdx.x;
   const size_t o = (size_t)b * a.n;
   int32_t* idx = a.accept_index + o;
   for (int i = lane; i < a.n; i += 32) idx[i] = -1;
@@ -33,8 +64,26 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock) tree_accept_kernel(TreeAc
 
 kdt_status tree_accept_cuda(const TreeAcceptArgs& a, void* stream) {
   static const char* fn = "kdt_tree_accept";
-  const int blocks = (a.bs + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  tree_accept_kernel<<<blocks, 32 * kWarpsPerBlock, 0, static_cast<cudaStream_t>(stream)>>>(a);
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  if (a.n > kMaxSharedN) {
+    tree_accept_global_kernel<<<a.bs, 32, 0, st>>>(a);
+    KDT_CUDA_CHECK(cudaGetLastError(), fn);
+    return KDT_OK;
+  }
+  const size_t smem = (size_t)a.n * (2 * sizeof(int64_t) + 2 * sizeof(int32_t));
+  // The shared-memory opt-in, once per device at the largest size (no attribute call later,
+  // under graph capture).
+  static bool opted[64] = {};
+  int dev = 0;
+  KDT_CUDA_CHECK(cudaGetDevice(&dev), fn);
+  if (smem > 48 * 1024 && (dev < 0 || dev >= 64 || !opted[dev])) {
+    const int most = kMaxSharedN * (int)(2 * sizeof(int64_t) + 2 * sizeof(int32_t));
+    KDT_CUDA_CHECK(cudaFuncSetAttribute(tree_accept_kernel,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, most),
+                   fn);
+    if (dev >= 0 && dev < 64) opted[dev] = true;
+  }
+  tree_accept_kernel<<<a.bs, 32, smem, st>>>(a);
   KDT_CUDA_CHECK(cudaGetLastError(), fn);
   return KDT_OK;
 }

@@ -24,8 +24,11 @@ struct AcceptResult {
 
 // accept_index [n] receives the accepted node indices (root first); the caller fills the rest
 // with -1. Each child list is scanned to its end so that a duplicate match is always seen.
+// Link is int64_t (the caller's arrays) or int32_t (the CUDA kernel's shared-memory copy, where
+// link_narrow has mapped every out-of-range value to one that fails the same test).
+template <class Link>
 KDT_HD AcceptResult accept_one(int n, int num_nodes, const int64_t* tokens,
-                               const int64_t* first_child, const int64_t* next_sibling,
+                               const Link* first_child, const Link* next_sibling,
                                const int64_t* target_argmax, int32_t* accept_index) {
   AcceptResult r{1, KDT_ACCEPT_OK, target_argmax[0]};
   accept_index[0] = 0;
@@ -37,7 +40,7 @@ KDT_HD AcceptResult accept_one(int n, int num_nodes, const int64_t* tokens,
   for (;;) {
     const int64_t want = target_argmax[cur];
     int64_t match = -1;
-    int64_t c = first_child[cur];
+    int64_t c = (int64_t)first_child[cur];
     for (int steps = 0; c != -1; ++steps) {
       if (c < 1 || c >= num_nodes) { r.status = KDT_ACCEPT_OUT_OF_RANGE; break; }
       if (steps >= n) { r.status = KDT_ACCEPT_CYCLE; break; }
@@ -45,7 +48,7 @@ KDT_HD AcceptResult accept_one(int n, int num_nodes, const int64_t* tokens,
         if (match != -1) { r.status = KDT_ACCEPT_DUPLICATE; break; }
         match = c;
       }
-      c = next_sibling[c];
+      c = (int64_t)next_sibling[c];
     }
     if (r.status != KDT_ACCEPT_OK || match == -1) break;
     if (r.len >= n) { r.status = KDT_ACCEPT_CYCLE; break; }
@@ -54,6 +57,13 @@ KDT_HD AcceptResult accept_one(int n, int num_nodes, const int64_t* tokens,
   }
   r.bonus = target_argmax[cur];
   return r;
+}
+
+// A link as int32 for a tree of n slots: -1 stays -1 (end of list), [0, n) stays, anything
+// below -1 becomes -2 and anything >= n becomes n, so that accept_one's test
+// (c < 1 || c >= num_nodes, with num_nodes <= n) gives the same answer as on the original.
+KDT_HD int32_t link_narrow(int64_t v, int n) {
+  return v < -1 ? -2 : (v >= n ? n : (int32_t)v);
 }
 
 }  // namespace tree

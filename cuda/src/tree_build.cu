@@ -1,9 +1,14 @@
-// tree_build.cu: CUDA backend of kdt_tree_build. One block (128 threads) per request: the
-// best-first selection runs in shared memory, then the whole block writes the outputs (slots,
-// links, visibility words) in parallel. No host synchronisation and no allocation: safe under
-// CUDA graph capture.
+// tree_build.cu: CUDA backend of kdt_tree_build. One block per request; no host
+// synchronisation and no allocation: safe under CUDA graph capture.
 //
-// Two selection variants, both reproducing the CPU order exactly (same float64 scores, same
+// KDT_TREE_BUILD (read per call on the host) picks the algorithm:
+//   parallel (the default): tree_build_parallel.h with 128-512 threads per block (level-by-level
+//     expansion under a rising score bound, then a bitonic sort of the kept nodes); a request it
+//     declines (a score above its generator, or a pool overflow from masses of exact ties) is
+//     built by the block's warp 0 with the serial warp selection below, in the same launch.
+//   serial: the earlier kernel below, 128 threads per block, the selection serial.
+//
+// Two serial selection variants, both reproducing the CPU order exactly (same float64 scores, same
 // strict total order: score descending, then rank path ascending):
 //   warp (default): warp 0 keeps the frontier as an unordered array; each pop is a warp-wide
 //     argmax (each lane scans every 32nd entry, then a 5-step butterfly shuffle), so a pop costs
@@ -22,6 +27,7 @@
 
 #include "common.h"
 #include "tree_build_core.h"
+#include "tree_build_parallel.h"
 #include "tree_kernels.h"
 
 namespace kdt {
@@ -107,6 +113,39 @@ __device__ int warp_build_one(const float* lp, int L, int K, int budget, const t
   return count + 1;
 }
 
+// The whole block writes one request's outputs from the node arrays (node order, slot 0 the
+// root): slots, links, visibility words.
+__device__ void write_outputs(const TreeBuildArgs& a, int b, int n, int W, int used,
+                              const uint32_t* node_cand, const double* node_score,
+                              const int16_t* fc, const int16_t* ns, const int64_t* ids) {
+  const size_t o = (size_t)b * n;
+  const int64_t seq_len = a.seq_lens[b];
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    if (i >= used) {
+      a.tokens[o + i] = -1; a.parents[o + i] = -1; a.depths[o + i] = -1;
+      a.positions[o + i] = -1; a.first_child[o + i] = -1; a.next_sibling[o + i] = -1;
+      if (a.scores) a.scores[o + i] = 0.0;
+      continue;
+    }
+    const uint32_t c = node_cand[i];
+    const int d = tree::cand_depth(c);
+    a.tokens[o + i] = i == 0 ? a.root_ids[b] : ids[(size_t)(d - 1) * a.K + tree::cand_rank(c)];
+    a.parents[o + i] = i == 0 ? -1 : tree::cand_parent(c);
+    a.depths[o + i] = d;
+    a.positions[o + i] = seq_len + d;
+    a.first_child[o + i] = fc[i];
+    a.next_sibling[o + i] = ns[i];
+    if (a.scores) a.scores[o + i] = node_score[i];
+  }
+  // Visibility: one word per thread step, consecutive threads on consecutive words.
+  uint32_t* vis = a.visibility + o * W;
+  for (int k = threadIdx.x; k < n * W; k += blockDim.x) {
+    const int i = k / W, w = k - i * W;
+    vis[k] = i < used ? tree::visibility_word(i, w, node_cand) : 0u;
+  }
+  if (threadIdx.x == 0) a.num_nodes[b] = used;
+}
+
 template <bool kWarp>
 __global__ void __launch_bounds__(kThreads) tree_build_kernel(TreeBuildArgs a) {
   extern __shared__ double smem[];
@@ -136,32 +175,99 @@ __global__ void __launch_bounds__(kThreads) tree_build_kernel(TreeBuildArgs a) {
   }
   __syncthreads();
 
-  const size_t o = (size_t)b * n;
-  const int64_t seq_len = a.seq_lens[b];
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    if (i >= used) {
-      a.tokens[o + i] = -1; a.parents[o + i] = -1; a.depths[o + i] = -1;
-      a.positions[o + i] = -1; a.first_child[o + i] = -1; a.next_sibling[o + i] = -1;
-      if (a.scores) a.scores[o + i] = 0.0;
-      continue;
+  write_outputs(a, b, n, W, used, s.node_cand, s.node_score, s.first_child, s.next_sibling, ids);
+}
+
+// The block as tree_build_parallel.h wants it: a phase runs on every thread, then a barrier.
+struct GpuBlock {
+  __device__ int threads() const { return blockDim.x; }
+  template <class F>
+  __device__ void run(F f) {
+    f((int)threadIdx.x);
+    __syncthreads();
+  }
+};
+
+// Dynamic shared memory of the parallel kernel for a budget and thread count (layout in the
+// kernel; 8-byte arrays first, then 4-byte, then 2-byte).
+size_t par_smem_bytes(int budget, int T) {
+  const size_t n = (size_t)budget + 1, cap = (size_t)tree::par::pool_capacity(budget);
+  return n * 8 + cap * 4 * 8 + n * 4 + cap * 2 * 4 + (size_t)(T + tree::par::kBins + 33) * 4 +
+         cap * 2 * 2 + n * 2 * 2;
+}
+
+// The request's log-probs are staged in shared memory (after the arrays above) when they take
+// at most this many bytes: the sibling chains then read them at shared-memory latency.
+constexpr size_t kStageLogpBytes = 16 * 1024;
+__host__ __device__ size_t stage_bytes(int L, int K) {
+  const size_t b = (size_t)L * K * sizeof(float);
+  return b <= kStageLogpBytes ? b : 0;
+}
+
+__global__ void tree_build_parallel_kernel(TreeBuildArgs a) {
+  extern __shared__ double smem[];
+  const int n = a.budget + 1, W = (n + 31) / 32, T = blockDim.x;
+  const int cap = tree::par::pool_capacity(a.budget);
+  const int b = blockIdx.x;
+  __shared__ tree::par::Shared S;
+  __shared__ int used;
+  // Layout: node scores [n], pool scores 2 x [cap], pool keys 2 x [cap] (doubles / uint64);
+  // node cands [n], pool cands 2 x [cap], part [T], hist [kBins + 33] (4 bytes); order [cap],
+  // inv [cap], first_child [n], next_sibling [n] (2 bytes).
+  double* node_score = smem;
+  double* pool = smem + n;
+  uint64_t* keys = reinterpret_cast<uint64_t*>(pool + 2 * cap);
+  uint32_t* node_cand = reinterpret_cast<uint32_t*>(keys + 2 * cap);
+  uint32_t* cands = node_cand + n;
+  int* part = reinterpret_cast<int*>(cands + 2 * cap);
+  int* hist = part + T;
+  uint16_t* order = reinterpret_cast<uint16_t*>(hist + tree::par::kBins + 33);
+  int16_t* inv = reinterpret_cast<int16_t*>(order + cap);
+  int16_t* first_child = inv + cap;
+  int16_t* next_sibling = first_child + n;
+  if (threadIdx.x == 0) {
+    S.score[0] = pool; S.score[1] = pool + cap;
+    S.key[0] = keys; S.key[1] = keys + cap;
+    S.cand[0] = cands; S.cand[1] = cands + cap;
+    S.order = order; S.inv = inv; S.part = part; S.hist = hist;
+    tree::Scratch ks{};
+    tree::set_key_layout(ks, a.L, a.K);
+    S.key_bits = ks.key_bits;
+    S.key_depth = ks.key_depth;
+  }
+  __syncthreads();
+  const size_t lk = (size_t)a.L * a.K;
+  const float* lp = a.top_logp + b * lk;
+  const int64_t* ids = a.top_ids + b * lk;
+  if (stage_bytes(a.L, a.K)) {
+    float* staged = reinterpret_cast<float*>(next_sibling + n);
+    for (size_t i = threadIdx.x; i < lk; i += blockDim.x) staged[i] = lp[i];
+    lp = staged;
+    __syncthreads();
+  }
+  const tree::par::Nodes nodes{node_score, node_cand, first_child, next_sibling};
+  GpuBlock blk;
+  int u = tree::par::build(blk, S, nodes, lp, a.L, a.K, a.budget, cap);
+  if (u < 0) {
+    // The serial selection (warp variant) over the pool's memory: its frontier and keys (20 n
+    // bytes) fit in the pool's 40 cap.
+    if (threadIdx.x < 32) {
+      tree::Scratch s;
+      s.heap_score = pool;
+      s.node_key = keys;
+      s.heap_cand = cands;
+      s.node_score = node_score;
+      s.node_cand = node_cand;
+      s.first_child = first_child;
+      s.next_sibling = next_sibling;
+      tree::set_key_layout(s, a.L, a.K);
+      const int w = warp_build_one(lp, a.L, a.K, a.budget, s);
+      if (threadIdx.x == 0) used = w;
     }
-    const uint32_t c = s.node_cand[i];
-    const int d = tree::cand_depth(c);
-    a.tokens[o + i] = i == 0 ? a.root_ids[b] : ids[(size_t)(d - 1) * a.K + tree::cand_rank(c)];
-    a.parents[o + i] = i == 0 ? -1 : tree::cand_parent(c);
-    a.depths[o + i] = d;
-    a.positions[o + i] = seq_len + d;
-    a.first_child[o + i] = s.first_child[i];
-    a.next_sibling[o + i] = s.next_sibling[i];
-    if (a.scores) a.scores[o + i] = s.node_score[i];
+    __syncthreads();
+    u = used;
   }
-  // Visibility: one word per thread step, consecutive threads on consecutive words.
-  uint32_t* vis = a.visibility + o * W;
-  for (int k = threadIdx.x; k < n * W; k += blockDim.x) {
-    const int i = k / W, w = k - i * W;
-    vis[k] = i < used ? tree::visibility_word(i, w, s.node_cand) : 0u;
-  }
-  if (threadIdx.x == 0) a.num_nodes[b] = used;
+  write_outputs(a, b, n, W, u, node_cand, node_score, first_child, next_sibling, ids);
 }
 
 // KDT_TREE_BUILD_VARIANT, read once: true for the warp variant (the default).
@@ -173,12 +279,49 @@ bool use_warp_variant() {
   return warp;
 }
 
+// KDT_TREE_BUILD, read per call: true unless it says "serial".
+bool use_parallel() {
+  const char* v = std::getenv("KDT_TREE_BUILD");
+  return !(v && std::strcmp(v, "serial") == 0);
+}
+
 }  // namespace
 
 kdt_status tree_build_cuda(const TreeBuildArgs& a, void* stream) {
   static const char* fn = "kdt_tree_build";
-  const size_t smem = smem_bytes(a.budget + 1);
   cudaStream_t st = static_cast<cudaStream_t>(stream);
+  if (use_parallel()) {
+    const int T = tree::par::threads_for(a.budget);
+    const size_t psmem = par_smem_bytes(a.budget, T) + stage_bytes(a.L, a.K);
+    // The shared-memory opt-in, once per device at the largest size the device allows, so that
+    // a later call under graph capture makes no attribute call. A budget whose pool does not
+    // fit (devices with < 200 KB per block, budgets near 1024) runs the serial kernel.
+    static int optin[64] = {};
+    int dev = 0;
+    KDT_CUDA_CHECK(cudaGetDevice(&dev), fn);
+    int limit = 48 * 1024;
+    if (dev >= 0 && dev < 64 && optin[dev]) {
+      limit = optin[dev];
+    } else {
+      KDT_CUDA_CHECK(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
+                     fn);
+      limit -= 1024;  // the kernel's static shared memory (S, used)
+      const int most =
+          (int)(par_smem_bytes(tree::kMaxBudget, tree::par::threads_for(tree::kMaxBudget)) +
+                kStageLogpBytes);
+      limit = limit < most ? limit : most;
+      KDT_CUDA_CHECK(cudaFuncSetAttribute(tree_build_parallel_kernel,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize, limit),
+                     fn);
+      if (dev >= 0 && dev < 64) optin[dev] = limit;
+    }
+    if (psmem <= (size_t)limit) {
+      tree_build_parallel_kernel<<<a.bs, T, psmem, st>>>(a);
+      KDT_CUDA_CHECK(cudaGetLastError(), fn);
+      return KDT_OK;
+    }
+  }
+  const size_t smem = smem_bytes(a.budget + 1);
   if (use_warp_variant())
     tree_build_kernel<true><<<a.bs, kThreads, smem, st>>>(a);
   else

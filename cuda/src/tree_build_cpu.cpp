@@ -1,16 +1,87 @@
 // tree_build_cpu.cpp: the kdt_tree_build entry point (validation, dispatch) and its CPU backend.
 // The algorithm lives in tree_build_core.h, shared with the CUDA kernel (tree_build.cu).
+//
+// KDT_TREE_BUILD (read per call) picks the algorithm: "serial" (the default here: the binary
+// heap, the fastest on one CPU core) or "parallel": the CUDA kernel's block-synchronous
+// algorithm (tree_build_parallel.h) emulated thread by thread, with KDT_TREE_BUILD_THREADS
+// threads (default: the CUDA launch's count), so that it is tested without a GPU. A request
+// the parallel algorithm declines (tree_build_parallel.h) falls back to the heap, as on CUDA;
+// "parallel-strict" reports it as KDT_ERR_INTERNAL instead (tests use it to prove the parallel
+// path ran).
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
 #include "common.h"
 #include "tree_build_core.h"
+#include "tree_build_parallel.h"
 #include "tree_kernels.h"
 
 namespace kdt {
+namespace {
+
+// The CPU stand-in for a CTA: each phase runs for thread 0, 1, ..., T - 1 in turn.
+struct CpuBlock {
+  int T;
+  KDT_HD int threads() const { return T; }
+  template <class F>
+  KDT_HD void run(F f) {
+    for (int t = 0; t < T; ++t) f(t);
+  }
+};
+
+enum class Algo { kSerial, kParallel, kStrict };
+
+Algo algo_from_env() {
+  const char* v = std::getenv("KDT_TREE_BUILD");
+  if (!v || !*v || std::strcmp(v, "serial") == 0) return Algo::kSerial;
+  if (std::strcmp(v, "parallel") == 0) return Algo::kParallel;
+  if (std::strcmp(v, "parallel-strict") == 0) return Algo::kStrict;
+  return Algo::kSerial;
+}
+
+// The parallel algorithm's pool and scratch for one request at a time.
+struct ParallelScratch {
+  int cap, T;
+  std::vector<double> score0, score1;
+  std::vector<uint32_t> cand0, cand1;
+  std::vector<uint64_t> key0, key1;
+  std::vector<uint16_t> order;
+  std::vector<int16_t> inv;
+  std::vector<int> part, hist;
+  tree::par::Shared S;
+
+  ParallelScratch(int budget, int L, int K, int threads)
+      : cap(tree::par::pool_capacity(budget)), T(threads), score0(cap), score1(cap), cand0(cap),
+        cand1(cap), key0(cap), key1(cap), order(cap), inv(cap), part(threads),
+        hist(tree::par::kBins + 33) {
+    S = tree::par::Shared{};
+    S.score[0] = score0.data(); S.score[1] = score1.data();
+    S.cand[0] = cand0.data(); S.cand[1] = cand1.data();
+    S.key[0] = key0.data(); S.key[1] = key1.data();
+    S.order = order.data();
+    S.inv = inv.data();
+    S.part = part.data();
+    S.hist = hist.data();
+    tree::Scratch ks{};
+    tree::set_key_layout(ks, L, K);
+    S.key_bits = ks.key_bits;
+    S.key_depth = ks.key_depth;
+  }
+};
+
+int threads_from_env(int budget) {
+  const char* v = std::getenv("KDT_TREE_BUILD_THREADS");
+  const int t = v ? std::atoi(v) : 0;
+  return t >= 32 && t % 32 == 0 && t <= 1024 ? t : tree::par::threads_for(budget);
+}
+
+}  // namespace
 
 kdt_status tree_build_cpu(const TreeBuildArgs& a) {
+  static const char* fn = "kdt_tree_build";
   const int n = a.budget + 1, W = (n + 31) / 32;
+  const Algo algo = algo_from_env();
   std::vector<double> heap_score(n), node_score(n);
   std::vector<uint32_t> heap_cand(n), node_cand(n);
   std::vector<int16_t> first_child(n), next_sibling(n);
@@ -18,11 +89,26 @@ kdt_status tree_build_cpu(const TreeBuildArgs& a) {
   tree::Scratch s{heap_score.data(), heap_cand.data(),    node_score.data(), node_cand.data(),
                   first_child.data(), next_sibling.data(), node_key.data(),   0, 0};
   tree::set_key_layout(s, a.L, a.K);
+  std::vector<ParallelScratch> ps;
+  if (algo != Algo::kSerial) ps.emplace_back(a.budget, a.L, a.K, threads_from_env(a.budget));
+  const tree::par::Nodes nodes{node_score.data(), node_cand.data(), first_child.data(),
+                               next_sibling.data()};
   for (int b = 0; b < a.bs; ++b) {
     const size_t lk = (size_t)a.L * a.K;
     const float* lp = a.top_logp + b * lk;
     const int64_t* ids = a.top_ids + b * lk;
-    const int used = tree::build_one(lp, a.L, a.K, a.budget, s);
+    int used = -1;
+    if (algo != Algo::kSerial) {
+      CpuBlock blk{ps[0].T};
+      used = tree::par::build(blk, ps[0].S, nodes, lp, a.L, a.K, a.budget, ps[0].cap);
+      if (used < 0 && algo == Algo::kStrict)
+        return set_error(KDT_ERR_INTERNAL, fn,
+                         "request %d: the parallel build declined it (%s); "
+                         "KDT_TREE_BUILD=parallel-strict refuses the serial fallback",
+                         b, (ps[0].S.flags & tree::par::kAnomaly) ? "a score above its generator"
+                                                                  : "pool overflow");
+    }
+    if (used < 0) used = tree::build_one(lp, a.L, a.K, a.budget, s);
     const size_t o = (size_t)b * n;
     for (int i = 0; i < n; ++i) {
       if (i >= used) {

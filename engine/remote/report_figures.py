@@ -89,6 +89,7 @@ def plots(view, runs, docs_dir: Path, host: str) -> list:
                title="verify attention (one layer)")
         ax.legend(fontsize=5, ncol=2)
         save(fig, "attention")
+    _tree_kernels_plot(view, plt, save)
     _e2e_plot(view, plt, save)
     _round_plot(view, plt, save)
     _service_plot(view, plt, save)
@@ -105,6 +106,33 @@ def plots(view, runs, docs_dir: Path, host: str) -> list:
         ax.legend(fontsize=7)
         save(fig, "history")
     return written
+
+
+def _tree_kernels_plot(view, plt, save):
+    """Tree build (each algorithm) and accept on CUDA against budget at bs 1 and bs 64 (the
+    batches present nearest those), two ways: the kernel alone (a CUDA graph of N calls / N,
+    solid) and one call from Python between events (dashed)."""
+    recs = [r for r in timed(view["suites"].get("kernels"))
+            if r.get("bench") in ("tree_build", "tree_accept") and r.get("backend") == "cuda"
+            and r.get("kernel_alone")]
+    if not recs:
+        return
+    have = sorted({r["case"]["bs"] for r in recs})
+    batches = sorted({min(have, key=lambda b: abs(b - want)) for want in (1, 64)})
+    fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 3.6), squeeze=False)
+    for ax, bs in zip(axes[0], batches):
+        keys = sorted({(r["bench"], r["case"].get("algo", "")) for r in recs if r["case"]["bs"] == bs})
+        for bench, algo in keys:
+            rows = sorted((r["case"]["budget"], r["kernel_alone"]["summary"]["median"] * 1e6,
+                           r["summary"]["median"] * 1e6) for r in recs
+                          if r["case"]["bs"] == bs and (r["bench"], r["case"].get("algo", "")) == (bench, algo))
+            label = bench.replace("tree_", "") + (f" {algo}" if algo else "")
+            line = ax.plot([x for x, _, _ in rows], [a for _, a, _ in rows], marker="o", label=f"{label}, alone")
+            ax.plot([x for x, _, _ in rows], [c for _, _, c in rows], marker=".", ls="--",
+                    color=line[0].get_color(), label=f"{label}, one call")
+        ax.set(xscale="log", yscale="log", xlabel="budget (nodes)", ylabel="us", title=f"tree kernels, CUDA, bs {bs}")
+        ax.legend(fontsize=6)
+    save(fig, "tree_kernels")
 
 
 def _e2e_plot(view, plt, save):

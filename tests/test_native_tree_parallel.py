@@ -1,0 +1,139 @@
+"""The parallel tree build (cuda/src/tree_build_parallel.h) vs the reference.
+
+KDT_TREE_BUILD picks the algorithm per call: on the CPU backend "parallel" runs the CUDA
+kernel's block-synchronous code thread by thread (KDT_TREE_BUILD_THREADS threads), so it is
+checked here without a GPU; "parallel-strict" refuses the serial fallback, which proves that the
+parallel path itself built the tree. On CUDA "parallel" is the default and "serial" the earlier
+kernel; both must equal the reference. Fresh random inputs; failures carry the seed.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import numpy as np
+import pytest
+
+from engine.native import NativeError
+from engine.reference import ddtree
+
+from native_helpers import (  # noqa: F401 (fixtures)
+    FIELDS_TREE, assert_same, cuda_ready, native, random_build_inputs, skip_cuda_without_gpu)
+
+pytestmark = pytest.mark.native
+
+# Budgets 1..1024: every small one, the powers of two and their neighbours, and a few others.
+BUDGETS = sorted(set(range(1, 18)) | {b + o for b in (32, 64, 128, 256, 512, 1024)
+                                      for o in (-1, 0, 1) if b + o <= 1024} | {100, 300, 777})
+
+
+def _check(monkeypatch, mode, rng, bs, L, K, budget, ties, seed, device="cpu", threads=None):
+    monkeypatch.setenv("KDT_TREE_BUILD", mode)
+    if threads:
+        monkeypatch.setenv("KDT_TREE_BUILD_THREADS", str(threads))
+    args = random_build_inputs(rng, bs, L, K, ties)
+    ref = ddtree.build_tree(*args[:2], budget, *args[2:])
+    got = native().build_tree(*args[:2], budget, *args[2:], device=device)
+    assert_same(got, ref, FIELDS_TREE, f"seed={seed} mode={mode} device={device} bs={bs} L={L} "
+                                       f"K={K} budget={budget} ties={ties} threads={threads}")
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_parallel_cpu_strict_bf16_inputs(monkeypatch, budget):
+    # bf16-rounded log-softmax inputs: the parallel path must build them without the fallback.
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    K = min(budget, int(rng.integers(1, 1025)))
+    _check(monkeypatch, "parallel-strict", rng, 2, int(rng.integers(1, 17)), K, budget, False, seed)
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_parallel_cpu_tie_heavy(monkeypatch, budget):
+    # Exact ties everywhere; masses of equal scores may take the fallback (still exact).
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    K = min(budget, int(rng.integers(1, 1025)))
+    _check(monkeypatch, "parallel", rng, 2, int(rng.integers(1, 17)), K, budget, True, seed)
+
+
+@pytest.mark.parametrize("threads", [32, 64, 128, 512, 1024])
+def test_parallel_cpu_thread_counts(monkeypatch, threads):
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    for budget, K, ties in ((63, 16, True), (255, 255, False), (1023, 1023, False), (5, 3, True)):
+        _check(monkeypatch, "parallel-strict" if not ties else "parallel", rng, 2, 15, K, budget,
+               ties, seed, threads=threads)
+
+
+def test_parallel_cpu_strict_small_ties(monkeypatch):
+    # Small exact-tie trees fit the pool: the tie-break by rank path runs in the parallel sort.
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    for _ in range(40):
+        budget = int(rng.integers(1, 64))
+        _check(monkeypatch, "parallel-strict", rng, 1, int(rng.integers(1, 6)),
+               int(rng.integers(1, min(budget, 4) + 1)), budget, True, seed)
+
+
+def _adversarial(rng, bs, L, K, positive: bool):
+    """Log-probs spanning ~60 orders of magnitude (and, with positive, values > 0)."""
+    mag = 10.0 ** rng.uniform(-30, 30, size=(bs, L, K))
+    lp = -mag * rng.uniform(0.5, 1.0, size=(bs, L, K))
+    if positive:
+        lp += rng.uniform(0, 2, size=(bs, L, 1))
+    lp = -np.sort(-lp.astype(np.float32), axis=2)
+    ids = rng.integers(0, 1000, size=(bs, L, K)).astype(np.int64)
+    return (np.ascontiguousarray(lp), ids, rng.integers(0, 9, bs).astype(np.int64),
+            rng.integers(0, 99, bs).astype(np.int64))
+
+
+@pytest.mark.parametrize("positive", [False, True])
+@pytest.mark.parametrize("budget", [1, 7, 63, 255, 1024])
+def test_parallel_cpu_adversarial_magnitudes(monkeypatch, budget, positive):
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    monkeypatch.setenv("KDT_TREE_BUILD", "parallel")
+    for _ in range(3):
+        args = _adversarial(rng, 2, int(rng.integers(1, 17)), int(rng.integers(1, budget + 1)),
+                            positive)
+        ref = ddtree.build_tree(*args[:2], budget, *args[2:])
+        got = native().build_tree(*args[:2], budget, *args[2:])
+        assert_same(got, ref, FIELDS_TREE, f"seed={seed} budget={budget} positive={positive}")
+
+
+def test_parallel_strict_detects_a_child_above_its_parent(monkeypatch):
+    # A positive log-prob at depth 2 puts the child above its parent: the heap then pops it out
+    # of score order, so the parallel path must decline (strict) and fall back (default).
+    lp = np.array([[[-1.0, -2.0], [0.5, -3.0]]], np.float32)
+    ids = np.array([[[1, 2], [3, 4]]], np.int64)
+    args = (lp, ids, 3, np.array([0]), np.array([0]))
+    monkeypatch.setenv("KDT_TREE_BUILD", "parallel-strict")
+    with pytest.raises(NativeError, match="score above its generator"):
+        native().build_tree(*args)
+    monkeypatch.setenv("KDT_TREE_BUILD", "parallel")
+    assert_same(native().build_tree(*args), ddtree.build_tree(*args), FIELDS_TREE, "fallback")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["parallel", "serial"])
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_cuda_modes_match_reference(monkeypatch, cuda_ready, mode, budget):
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    K = min(budget, int(rng.integers(1, 1025)))
+    for ties in (False, True):
+        _check(monkeypatch, mode, rng, 3, int(rng.integers(1, 17)), K, budget, ties, seed,
+               device="cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("positive", [False, True])
+def test_cuda_parallel_adversarial(monkeypatch, cuda_ready, positive):
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    monkeypatch.setenv("KDT_TREE_BUILD", "parallel")
+    for budget in (1, 63, 1023):
+        args = _adversarial(rng, 4, 15, min(budget, 64), positive)
+        ref = ddtree.build_tree(*args[:2], budget, *args[2:])
+        got = native().build_tree(*args[:2], budget, *args[2:], device="cuda")
+        assert_same(got, ref, FIELDS_TREE, f"seed={seed} budget={budget} positive={positive}")
