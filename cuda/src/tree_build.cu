@@ -186,6 +186,12 @@ struct GpuBlock {
     f((int)threadIdx.x);
     __syncthreads();
   }
+  template <class F>
+  __device__ void run_warp(F f) {
+    f((int)threadIdx.x);
+    __syncwarp();
+  }
+  __device__ void barrier() { __syncthreads(); }
 };
 
 // Dynamic shared memory of the parallel kernel for a budget and thread count (layout in the

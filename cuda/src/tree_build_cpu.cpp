@@ -10,6 +10,7 @@
 // path ran).
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <vector>
 
 #include "common.h"
@@ -20,13 +21,34 @@
 namespace kdt {
 namespace {
 
-// The CPU stand-in for a CTA: each phase runs for thread 0, 1, ..., T - 1 in turn.
+// The CPU stand-in for a CTA: each phase runs for thread 0, 1, ..., T - 1 in turn. Phases that
+// need only a warp barrier (run_warp) are deferred to the next block barrier and then run warp
+// by warp, each warp through all of them before the next warp starts: the most skewed order a
+// GPU may take, so that a stage that wrongly reads another warp's entries shows up here.
 struct CpuBlock {
   int T;
+  std::vector<std::function<void(int)>> pending;
   KDT_HD int threads() const { return T; }
+  KDT_HD void barrier() {
+#if !defined(__CUDA_ARCH__)
+    for (int w = 0; w < T; w += 32)
+      for (auto& f : pending)
+        for (int t = w; t < w + 32 && t < T; ++t) f(t);
+    pending.clear();
+#endif
+  }
   template <class F>
   KDT_HD void run(F f) {
+#if !defined(__CUDA_ARCH__)
+    barrier();
     for (int t = 0; t < T; ++t) f(t);
+#endif
+  }
+  template <class F>
+  KDT_HD void run_warp(F f) {
+#if !defined(__CUDA_ARCH__)
+    pending.emplace_back(f);
+#endif
   }
 };
 
@@ -99,7 +121,7 @@ kdt_status tree_build_cpu(const TreeBuildArgs& a) {
     const int64_t* ids = a.top_ids + b * lk;
     int used = -1;
     if (algo != Algo::kSerial) {
-      CpuBlock blk{ps[0].T};
+      CpuBlock blk{ps[0].T, {}};
       used = tree::par::build(blk, ps[0].S, nodes, lp, a.L, a.K, a.budget, ps[0].cap);
       if (used < 0 && algo == Algo::kStrict)
         return set_error(KDT_ERR_INTERNAL, fn,

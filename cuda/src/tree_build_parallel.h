@@ -22,7 +22,9 @@
 // reports it and the caller runs the serial heap (tree_build_core.h) for that request instead:
 // the result is the reference's in every case.
 //
-// The caller runs each phase for every thread, then synchronises (Block::run).
+// The caller runs each phase for every thread, then synchronises (Block::run); run_warp
+// synchronises only each warp, barrier() the whole block (a no-op on the CPU, which runs the
+// threads of a phase one after another).
 #pragma once
 
 #include <math.h>
@@ -247,7 +249,7 @@ KDT_HD void refine(Block& blk, Shared& S, int budget, const float* lp, int K, in
     return v >= (double)(kBins - 1) ? kBins - 1 : (v > 0.0 ? (int)v : 0);
   };
   blk.run([&](int t) { visit(t, [&](double sc) { atomic_add(&S.hist[bin(sc)], 1); }); });
-  blk.run([&](int t) {
+  blk.run_warp([&](int t) {  // warp 0 writes the group sums, thread 0 reads them next
     if (t >= 32) return;
     constexpr int g = kBins / 32;
     int s = 0;
@@ -296,7 +298,7 @@ KDT_HD void compact(Block& blk, Shared& S) {
     for (int e = a; e < b; ++e) n += alive(S, e) ? 1 : 0;
     S.part[t] = n;
   });
-  blk.run([&](int t) { scan_groups(S, t, T); });
+  blk.run_warp([&](int t) { scan_groups(S, t, T); });  // warp 0 writes, thread 0 reads
   blk.run([&](int t) { scan_top(S, t); });
   blk.run([&](int t) {
     int a, b;
@@ -366,7 +368,7 @@ KDT_HD int build(Block& blk, Shared& S, const Nodes& N, const float* lp, int L, 
         }
         S.part[t] = s;
       });
-      blk.run([&](int t) { scan_groups(S, t, T); });
+      blk.run_warp([&](int t) { scan_groups(S, t, T); });  // warp 0 writes, thread 0 reads
       blk.run([&](int t) { scan_top(S, t); });
       if (S.flags) return -1;
       if (S.pool_n + S.total <= cap) break;
@@ -418,10 +420,13 @@ KDT_HD int build(Block& blk, Shared& S, const Nodes& N, const float* lp, int L, 
     for (int i = t; i < S.pool_n; i += T) S.inv[i] = 0;
     for (int i = t; i <= budget; i += T) N.first_child[i] = -1;
   });
-  // Bitonic sort of order[0..P) (0xFFFF pads sort last).
+  // Bitonic sort of order[0..P) (0xFFFF pads sort last). A stage with j <= 32 keeps each warp
+  // inside its own blocks of 64 entries (pair p of thread t touches entries in the 64-block of
+  // p / 32, and a warp's pairs p are 32 consecutive ones), so those stages need only a warp
+  // barrier (run_warp); a full barrier separates them from the next stage with j >= 64.
   for (int k = 2; k <= P; k *= 2) {
     for (int j = k / 2; j > 0; j /= 2) {
-      blk.run([&](int t) {
+      auto stage = [&, j, k](int t) {  // j, k by value: a CPU block may defer the stage
         for (int p = t; p < P / 2; p += T) {
           const int i = 2 * p - (p & (j - 1));  // the lower index of the pair, bit j clear
           const int l = i + j;
@@ -435,8 +440,11 @@ KDT_HD int build(Block& blk, Shared& S, const Nodes& N, const float* lp, int L, 
           const bool swap = (i & k) == 0 ? prec(b, a) : prec(a, b);
           if (swap) { S.order[i] = (uint16_t)b; S.order[l] = (uint16_t)a; }
         }
-      });
+      };
+      if (j >= 64) blk.run(stage);
+      else blk.run_warp(stage);
     }
+    if (k >= 64 || k == P) blk.barrier();
   }
   blk.run([&](int t) {
     for (int p = t; p < sel; p += T) S.inv[S.order[p]] = (int16_t)(p + 1);
