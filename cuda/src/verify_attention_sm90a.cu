@@ -285,6 +285,20 @@ __device__ __forceinline__ void zero_tail_rows(uint8_t* stage, int valid, int t,
   }
 }
 
+// O *= the per-row factors (rows r0, r1 of this thread). Skipped, exactly, when no row of the
+// warp changed its running max (every factor 1): after the first tiles of a long prefix that is
+// most tiles, and it saves 128 multiplies a thread on the consumers' critical path.
+__device__ __forceinline__ void rescale_o(float (&o)[128], float f0, float f1) {
+  if (!__any_sync(0xffffffffu, f0 != 1.f || f1 != 1.f)) return;
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+    o[4 * j + 0] *= f0;
+    o[4 * j + 1] *= f0;
+    o[4 * j + 2] *= f1;
+    o[4 * j + 3] *= f1;
+  }
+}
+
 #endif  // KDT_SM90A_DEVICE
 
 // kVariant 0: both consumer WGs score half the keys each (m64n32), exchange the row max, and
@@ -515,13 +529,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       *reinterpret_cast<uint32_t*>(smem + kOffP + swz(r1, chunk16) + q4 * 4) = pack_bf16(p10, p11);
     }
     // ---- rescale O
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      o[4 * j + 0] *= f0;
-      o[4 * j + 1] *= f0;
-      o[4 * j + 2] *= f1;
-      o[4 * j + 3] *= f1;
-    }
+    rescale_o(o, f0, f1);
     fence_proxy_async();
     named_bar_sync(1, 256);
 
@@ -616,25 +624,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         fac[r0] = f0;
         fac[r1] = f1;
       }
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        o[4 * j + 0] *= f0;
-        o[4 * j + 1] *= f0;
-        o[4 * j + 2] *= f1;
-        o[4 * j + 3] *= f1;
-      }
+      rescale_o(o, f0, f1);
       fence_proxy_async();
       named_bar_sync(1, 256);  // P(i) and the factors are in shared memory
     } else {
       named_bar_sync(1, 256);
       const float f0 = fac[r0], f1 = fac[r1];
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        o[4 * j + 0] *= f0;
-        o[4 * j + 1] *= f0;
-        o[4 * j + 2] *= f1;
-        o[4 * j + 3] *= f1;
-      }
+      rescale_o(o, f0, f1);
     }
     // ---- O_w += P V_w
     reg_fence(o);
