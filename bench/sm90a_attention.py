@@ -4,7 +4,8 @@
 
 Calls kdt_verify_attention with KDT_VERIFY_PATH=sm90a (the sm90a kernel only,
 KDT_ERR_UNSUPPORTED where it cannot run) on torch CUDA tensors, for every kernel variant
-(KDT_SM90A_VARIANT 0-3: bit 0 the consumer decomposition, bit 1 TMA loads instead of cp.async;
+(KDT_SM90A_VARIANT 0, 1, 2, 3, 6, 7: bit 0 the consumer decomposition, bit 1 TMA loads instead
+of cp.async, bit 2 Q K^T waiting for a TMA tile in three groups of column blocks;
 verify_attention_sm90a.cu says what each does).
 --check: fresh random bf16 inputs (seed printed) at the MLA shape (d_latent 512, d_rope 64),
   ragged batches, tree sizes and prefixes that are not multiples of the 64-row tile, prefix 0,
@@ -28,6 +29,7 @@ import argparse
 import ctypes
 import functools
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -36,7 +38,10 @@ DL, DR, DK = 512, 64, 576
 TOL = 1e-2
 KDT_BACKEND_CUDA = 1
 KDT_DTYPE_BF16 = 1
-VARIANTS = (0, 1, 2, 3)  # KDT_SM90A_VARIANT: bit 0 one WG scores (else split keys), bit 1 TMA
+# KDT_SM90A_VARIANT: bit 0 one WG scores (else split keys), bit 1 TMA, bit 2 grouped TMA waits
+VARIANTS = (0, 1, 2, 3, 6, 7)
+ISOLATED = (2, 3, 6, 7)  # checked in a child process (check_variants_isolated)
+ISOLATED_TIMEOUT_S = 90
 
 
 def set_variant(v: int | None) -> None:
@@ -296,7 +301,44 @@ def _check_variant(lib, torch, rng, tag: str) -> bool:
     return ok
 
 
-def run_checks(lib, torch, seed: int) -> bool:
+def check_variants(lib, torch, rng, variants) -> list[int]:
+    """Checks each variant; prints a PASS / FAIL line per variant; returns those that pass."""
+    passed = []
+    for variant in variants:
+        set_variant(variant)
+        good_v = _check_variant(lib, torch, rng, f"[v{variant}] ")
+        print(f"sm90a check [v{variant}]: {'PASS' if good_v else 'FAIL'}", flush=True)
+        if good_v:
+            passed.append(variant)
+    set_variant(None)
+    return passed
+
+
+def check_variants_isolated(lib_path: str | None, seed: int, variants) -> list[int]:
+    """The same in a child process with a time limit: a kernel that hangs or faults (a sticky
+    CUDA error) there costs its variants, not this process's timing of the others."""
+    cmd = [sys.executable, "-m", "bench.sm90a_attention", "--check-variants",
+           ",".join(map(str, variants)), "--seed", str(seed)]
+    if lib_path:
+        cmd += ["--lib", lib_path]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        r = subprocess.run(cmd, check=False, cwd=root, capture_output=True, text=True,
+                           timeout=ISOLATED_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        print(out, end="")
+        print(f"FAIL  variants {list(variants)}: no answer within {ISOLATED_TIMEOUT_S} s (a hang?)")
+        return []
+    print(r.stdout, end="")
+    if r.returncode not in (0, 1):
+        print(f"FAIL  variants {list(variants)}: child exit status {r.returncode}: {r.stderr[-2000:]}")
+    return [v for v in variants if f"sm90a check [v{v}]: PASS" in r.stdout]
+
+
+def run_checks(lib, torch, seed: int, lib_path: str | None = None) -> tuple[bool, list[int]]:
+    """All checks; returns (all passed, the variants that passed). The TMA variants (new, not
+    yet run on a GPU when written) run in a child process (check_variants_isolated)."""
     rng = np.random.default_rng(seed)
     print(f"sm90a check: seed {seed}, bound {TOL}")
     small = Case(torch, rng, 4, [5, 0, 40], [3, 7, 33])
@@ -308,12 +350,10 @@ def run_checks(lib, torch, seed: int) -> bool:
     ok = good
     print(f"{'PASS' if good else 'FAIL'}  float64 GPU reference vs engine.reference.mla: "
           f"max rel diff {agree:.3g}")
-    for variant in VARIANTS:
-        set_variant(variant)
-        good_v = _check_variant(lib, torch, rng, f"[v{variant}] ")
-        print(f"sm90a check [v{variant}]: {'PASS' if good_v else 'FAIL'}")
-        ok &= good_v
-    set_variant(None)
+    here = [v for v in VARIANTS if v not in ISOLATED]
+    passed = check_variants(lib, torch, rng, here)
+    passed += check_variants_isolated(lib_path, seed + 1, [v for v in VARIANTS if v in ISOLATED])
+    ok &= len(passed) == len(VARIANTS)
     # shapes / dtypes the path does not take are refused, not computed
     os.environ["KDT_VERIFY_PATH"] = "sm90a"
     ws = small.workspace(lib)
@@ -327,7 +367,7 @@ def run_checks(lib, torch, seed: int) -> bool:
     ok &= good
     print(f"{'PASS' if good else 'FAIL'}  float32 cache refused: status {st} ({msg})")
     print("sm90a check (all):", "PASS" if ok else "FAIL")
-    return ok
+    return ok, sorted(passed)
 
 
 def time_graph(torch, fn, target_s: float = 0.25) -> float:
@@ -360,7 +400,7 @@ def time_graph(torch, fn, target_s: float = 0.25) -> float:
     return best
 
 
-def run_timing(lib, torch) -> None:
+def run_timing(lib, torch, variants=VARIANTS) -> None:
     from bench import ceilings
 
     ceil = ceilings.measure("cuda")
@@ -369,7 +409,7 @@ def run_timing(lib, torch) -> None:
     print(f"sm90a timing (H 64, 512 + 64, bf16; CUDA graph of N calls / N, best of 3 replays; "
           f"vN = KDT_SM90A_VARIANT=N, auto = kdt_verify_attention's own choice; ceilings of this run: "
           f"matmul {mm:.0f} TFLOP/s, copy {cp:.0f} GB/s; %mm = TFLOP/s / matmul, %cp = cache GB/s / copy)")
-    head = " | ".join(f"{'v' + str(v) + ' ms':>8} {'TF/s':>5}" for v in VARIANTS)
+    head = " | ".join(f"{'v' + str(v) + ' ms':>8} {'TF/s':>5}" for v in variants)
     print(f"{'bs':>3} {'prefix':>6} {'tree':>4} | {head} | {'auto ms':>8} {'TF/s':>5} {'%mm':>4} "
           f"{'GB/s':>5} {'%cp':>4} | best variant (%mm, %cp)")
     for bs in (1, 16, 64):
@@ -379,7 +419,7 @@ def run_timing(lib, torch) -> None:
                 ws = case.workspace(lib)
                 f, b = case.flops(), case.cache_bytes()
                 cols, times = [], {}
-                for v in VARIANTS:
+                for v in variants:
                     set_variant(v)
                     try:
                         t = time_graph(torch, functools.partial(case.call, lib, "sm90a", ws))
@@ -409,6 +449,8 @@ def main(argv=None) -> int:
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--time", action="store_true")
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--check-variants", default=None,
+                    help="comma list: check only these KDT_SM90A_VARIANT values (the child mode)")
     a = ap.parse_args(argv)
     import torch
 
@@ -416,12 +458,18 @@ def main(argv=None) -> int:
         print("SKIP: no CUDA device")
         return 0
     lib = load_library(a.lib)
-    ok = True
+    seed = a.seed if a.seed is not None else int(np.random.SeedSequence().entropy % 2**32)
+    if a.check_variants is not None:
+        want = [int(v) for v in a.check_variants.split(",") if v]
+        passed = check_variants(lib, torch, np.random.default_rng(seed), want)
+        return 0 if len(passed) == len(want) else 1
+    ok, variants = True, list(VARIANTS)
     if a.check or not a.time:
-        seed = a.seed if a.seed is not None else int(np.random.SeedSequence().entropy % 2**32)
-        ok = run_checks(lib, torch, seed)
+        ok, variants = run_checks(lib, torch, seed, a.lib)
     if a.time:
-        run_timing(lib, torch)
+        if len(variants) < len(VARIANTS):
+            print(f"timing only the variants that passed the check: {variants}")
+        run_timing(lib, torch, variants)
     return 0 if ok else 1
 
 

@@ -20,8 +20,10 @@
 //   cp.async (0): all 128 producer threads copy 16 bytes at a time, rows past the chunk
 //                 zero-filled, then a proxy fence and an arrive;
 //   TMA (2):      one thread issues nine cp.async.bulk.tensor boxes a tile (tensor map encoded
-//                 on the host per call, swizzle done by the TMA unit) with an expect-tx arrive;
-//                 the rest of the producer WG exits. Rows past the chunk are other requests'
+//                 on the host per call, swizzle done by the TMA unit), each on its own mbarrier
+//                 with an expect-tx arrive; the rest of the producer WG exits. The consumers
+//                 wait for the whole tile, or (bit 2: 6, 7) Q K^T waits for it in three groups
+//                 of three column blocks, starting once the first 24 KB landed. Rows past the chunk are other requests'
 //                 rows (or zeros past the cache): the consumers zero them in V before P V reads
 //                 them, so a non-finite value there cannot leak through 0 * NaN.
 // The TMA frees the issue slots and the per-thread request queue that 4608 16-byte copies a
@@ -43,8 +45,8 @@
 // reach the tree tail (or the chunk end); prefix keys are visible to every row. Scores are kept
 // in base 2 (scale * log2 e) and the LSE converted back to the natural log.
 //
-// nvcc 13.0 -O3 -Xptxas -v, sm_90a: all four kernels 168 registers at entry (setmaxnreg then
-// moves them to the consumers), no spills, 231456 B of dynamic shared memory, 1 CTA per SM.
+// nvcc 13.0 -O3 -Xptxas -v, sm_90a: all six kernels 168 registers at entry (setmaxnreg then
+// moves them to the consumers), no spills, 231584 B of dynamic shared memory, 1 CTA per SM.
 // H200 (first run, cp.async): correct in both decompositions; 283-302 TFLOP/s at tree 16 / 64.
 // The TMA kernels and the wide merge are not yet run on a GPU.
 //
@@ -84,7 +86,7 @@ constexpr int kOffKV = kOffQ + kTileBytes;
 constexpr int kOffP = kOffKV + kStages * kTileBytes;
 constexpr int kOffRed = kOffP + kM * 128;
 constexpr int kOffBar = kOffRed + 2 * 2 * kM * 4;
-constexpr int kSmemUsed = kOffBar + 2 * kStages * 8;
+constexpr int kSmemUsed = kOffBar + (kBlocks + 1) * kStages * 8;  // full [stage][block], empty
 constexpr int kSmemBytes = kSmemUsed + 1024;
 static_assert(kSmemBytes <= 232448, "over the 227 KB an sm_90 block may use");
 static_assert(kN == 64 && kM == 64, "the wgmma shapes below assume 64-row tiles");
@@ -285,6 +287,14 @@ __device__ __forceinline__ void zero_tail_rows(uint8_t* stage, int valid, int t,
   }
 }
 
+// Waits for column blocks [b0, b0 + 3) of a TMA stage. Q K^T waits in three groups, so it starts
+// once the first 24 KB of the tile landed; each wait between wgmmas costs a wgmma fence (ptxas
+// injects it around the spin loop), so not one wait a block.
+__device__ __forceinline__ void wait_blocks(uint32_t full, int b0, uint32_t parity) {
+#pragma unroll
+  for (int b = b0; b < b0 + 3; ++b) mbar_wait(full + 8 * b, parity);
+}
+
 // O *= the per-row factors (rows r0, r1 of this thread). Skipped, exactly, when no row of the
 // warp changed its running max (every factor 1): after the first tiles of a long prefix that is
 // most tiles, and it saves 128 multiplies a thread on the consumers' critical path.
@@ -306,16 +316,22 @@ __device__ __forceinline__ void rescale_o(float (&o)[128], float f0, float f1) {
 //   (w = 0) scores all 64 keys (m64n64: a third less shared-memory traffic for Q) and owns the
 //   softmax; it hands P and the per-row rescale factors to the other WG through shared memory,
 //   and scores tile i + 1 while the other WG still multiplies P(i) V.
-template <int kVariant, bool kTma>
+// kLoad: 0 cp.async by the producer WG; 1 TMA, Q K^T after the whole tile landed; 2 TMA, Q K^T
+// waiting for the tile in three groups of column blocks (wait_blocks).
+template <int kVariant, int kLoad>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_kernel(const Params p, const __grid_constant__ CUtensorMap kv_map) {
+  constexpr bool kTma = kLoad > 0, kGroupWaits = kLoad == 2;
 #if defined(KDT_SM90A_DEVICE)
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const uint32_t s_base = smem_u32(smem);
   const uint32_t s_q = s_base + kOffQ, s_kv = s_base + kOffKV, s_p = s_base + kOffP;
   float* red = reinterpret_cast<float*>(smem + kOffRed);  // [2 (max, sum)][2 WGs][64 rows]
-  const uint32_t bar_full = s_base + kOffBar, bar_empty = bar_full + 8 * kStages;
+  // full barrier of (stage s, column block b): bar_full + 8 (s kBlocks + b). The TMA kernels
+  // signal each 64-column block on its own barrier, so Q K^T starts on block 0 while the rest of
+  // the tile still lands; the cp.async kernels signal the whole tile on block 0's.
+  const uint32_t bar_full = s_base + kOffBar, bar_empty = bar_full + 8 * kStages * kBlocks;
 
   const int tid = threadIdx.x;
   const int b = blockIdx.z;
@@ -350,7 +366,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(bar_full + 8 * s, kTma ? 1 : 128);  // TMA: one arrive + the transaction bytes
+      for (int b = 0; b < kBlocks; ++b)  // TMA: one arrive + the transaction bytes
+        mbar_init(bar_full + 8 * (s * kBlocks + b), kTma ? 1 : 128);
       mbar_init(bar_empty + 8 * s, 256);  // every consumer thread arrives
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -371,10 +388,12 @@ __global__ void __launch_bounds__(kThreads, 1)
           mbar_wait(bar_empty + 8 * s, ((i / kStages) & 1) ^ 1);
           const int32_t row = int32_t(k0 + begin + int64_t(i) * kN);
           const uint32_t dst0 = s_kv + s * kTileBytes;
-          mbar_arrive_expect_tx(bar_full + 8 * s, kTileBytes);
 #pragma unroll
-          for (int blk = 0; blk < kBlocks; ++blk)
-            tma_load_2d(dst0 + blk * kBlockBytes, &kv_map, blk * 64, row, bar_full + 8 * s);
+          for (int blk = 0; blk < kBlocks; ++blk) {
+            const uint32_t bar = bar_full + 8 * (s * kBlocks + blk);
+            mbar_arrive_expect_tx(bar, kBlockBytes);
+            tma_load_2d(dst0 + blk * kBlockBytes, &kv_map, blk * 64, row, bar);
+          }
         }
       }
       return;
@@ -397,13 +416,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (i > 0) {
         cp_async_wait<1>();
         fence_proxy_async();
-        mbar_arrive(bar_full + 8 * ((i - 1) % kStages));
+        mbar_arrive(bar_full + 8 * kBlocks * ((i - 1) % kStages));
       }
     }
     if (n_tiles > 0) {
       cp_async_wait<0>();
       fence_proxy_async();
-      mbar_arrive(bar_full + 8 * ((n_tiles - 1) % kStages));
+      mbar_arrive(bar_full + 8 * kBlocks * ((n_tiles - 1) % kStages));
     }
     return;
   }
@@ -451,7 +470,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int s = i % kStages;
     const int64_t t0 = begin + int64_t(i) * kN;
     const uint32_t st = s_kv + s * kTileBytes;
-    mbar_wait(bar_full + 8 * s, (i / kStages) & 1);
+    const uint32_t full = bar_full + 8 * kBlocks * s, parity = (i / kStages) & 1;
+    if (!kTma) mbar_wait(full, parity);
+    if (kTma && !kGroupWaits)
+      for (int b = 0; b < kBlocks; ++b) mbar_wait(full + 8 * b, parity);
 
     // ---- S = Q K_w^T over 576 = 36 k-steps of 16
     float sc[16];
@@ -464,6 +486,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint32_t koff = (ks >> 2) * kBlockBytes + (ks & 3) * 32;
       const uint64_t da = make_desc(s_q + koff, 16, 1024);
       const uint64_t db = make_desc(st + koff + w * 32 * 128, 16, 1024);
+      if (kGroupWaits && ks % 12 == 0) wait_blocks(full, ks / 4, parity);
       wgmma_m64n32_ss(sc, da, db, ks > 0 ? 1 : 0);
     }
     wgmma_commit();
@@ -554,7 +577,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int s = i % kStages;
     const int64_t t0 = begin + int64_t(i) * kN;
     const uint32_t st = s_kv + s * kTileBytes;
-    mbar_wait(bar_full + 8 * s, (i / kStages) & 1);
+    const uint32_t full = bar_full + 8 * kBlocks * s, parity = (i / kStages) & 1;
+    if (!kTma) {
+      mbar_wait(full, parity);
+    } else if (w == 1 || !kGroupWaits) {
+      for (int b = 0; b < kBlocks; ++b) mbar_wait(full + 8 * b, parity);  // WG1: landed by its turn
+    }
     if (w == 0) {
       // ---- S = Q K^T for all 64 keys of the tile
       float sc[32];
@@ -565,6 +593,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int ks = 0; ks < 36; ++ks) {
         const uint32_t koff = (ks >> 2) * kBlockBytes + (ks & 3) * 32;
+        if (kGroupWaits && ks % 12 == 0) wait_blocks(full, ks / 4, parity);
         wgmma_m64n64_ss(sc, make_desc(s_q + koff, 16, 1024), make_desc(st + koff, 16, 1024),
                         ks > 0 ? 1 : 0);
       }
@@ -810,7 +839,7 @@ bool have_sm90a_code() {
   int c = cached.load(std::memory_order_relaxed);
   if (c >= 0) return c == 1;
   cudaFuncAttributes attr{};
-  const cudaError_t e = cudaFuncGetAttributes(&attr, attention_kernel<0, false>);
+  const cudaError_t e = cudaFuncGetAttributes(&attr, attention_kernel<0, 0>);
   if (e != cudaSuccess) (void)cudaGetLastError();  // no image for this device: not sticky, clear it
   const bool ok = e == cudaSuccess && attr.binaryVersion == 90 && attr.numRegs >= 64;
   cached.store(ok ? 1 : 0, std::memory_order_relaxed);
@@ -938,19 +967,23 @@ kdt_status verify_attention_sm90a(const VerifyAttentionArgs& a, void* stream, vo
   static std::atomic<uint64_t> smem_set{0};
   const uint64_t bit = dev < 64 ? (uint64_t(1) << dev) : 0;
   if (!bit || !(smem_set.load(std::memory_order_relaxed) & bit)) {
-    for (const void* k : {reinterpret_cast<const void*>(attention_kernel<0, false>),
-                          reinterpret_cast<const void*>(attention_kernel<1, false>),
-                          reinterpret_cast<const void*>(attention_kernel<0, true>),
-                          reinterpret_cast<const void*>(attention_kernel<1, true>)})
+    for (const void* k : {reinterpret_cast<const void*>(attention_kernel<0, 0>),
+                          reinterpret_cast<const void*>(attention_kernel<1, 0>),
+                          reinterpret_cast<const void*>(attention_kernel<0, 1>),
+                          reinterpret_cast<const void*>(attention_kernel<1, 1>),
+                          reinterpret_cast<const void*>(attention_kernel<0, 2>),
+                          reinterpret_cast<const void*>(attention_kernel<1, 2>)})
       KDT_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes), fn);
     smem_set.fetch_or(bit, std::memory_order_relaxed);
   }
   // KDT_SM90A_VARIANT (read on every call, so that a benchmark can compare them in one process;
   // getenv is cheap next to the launch): bit 0 the consumer decomposition (0 split keys, 1 one
-  // WG scores), bit 1 the loads (0 cp.async by the producer WG, 2 TMA by one thread).
+  // WG scores), bit 1 the loads (0 cp.async by the producer WG, 1 TMA by one thread), bit 2
+  // (with TMA) Q K^T waiting for the tile in three groups of column blocks. 4 and 5 are 0, 1.
   const char* venv = std::getenv("KDT_SM90A_VARIANT");
   int variant = kDefaultVariant;
-  if (venv != nullptr && venv[0] >= '0' && venv[0] <= '3' && venv[1] == '\0') variant = venv[0] - '0';
+  if (venv != nullptr && venv[0] >= '0' && venv[0] <= '7' && venv[1] == '\0') variant = venv[0] - '0';
+  if (!(variant & 2)) variant &= 1;
   CUtensorMap map;
   std::memset(&map, 0, sizeof map);  // unused by the cp.async kernels
   if ((variant & 2) && !encode_kv_map(&map, a.kv_cache, a.total_kv))
@@ -961,10 +994,12 @@ kdt_status verify_attention_sm90a(const VerifyAttentionArgs& a, void* stream, vo
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const dim3 grid(unsigned(m_tiles), unsigned(prm.splits), unsigned(a.bs));
   switch (variant) {
-    case 1: attention_kernel<1, false><<<grid, kThreads, kSmemBytes, s>>>(prm, map); break;
-    case 2: attention_kernel<0, true><<<grid, kThreads, kSmemBytes, s>>>(prm, map); break;
-    case 3: attention_kernel<1, true><<<grid, kThreads, kSmemBytes, s>>>(prm, map); break;
-    default: attention_kernel<0, false><<<grid, kThreads, kSmemBytes, s>>>(prm, map); break;
+    case 1: attention_kernel<1, 0><<<grid, kThreads, kSmemBytes, s>>>(prm, map); break;
+    case 2: attention_kernel<0, 1><<<grid, kThreads, kSmemBytes, s>>>(prm, map); break;
+    case 3: attention_kernel<1, 1><<<grid, kThreads, kSmemBytes, s>>>(prm, map); break;
+    case 6: attention_kernel<0, 2><<<grid, kThreads, kSmemBytes, s>>>(prm, map); break;
+    case 7: attention_kernel<1, 2><<<grid, kThreads, kSmemBytes, s>>>(prm, map); break;
+    default: attention_kernel<0, 0><<<grid, kThreads, kSmemBytes, s>>>(prm, map); break;
   }
   KDT_CUDA_CHECK(cudaGetLastError(), fn);
   if (prm.splits > 1) {
