@@ -23,9 +23,10 @@
 //                 on the host per call, swizzle done by the TMA unit), each on its own mbarrier
 //                 with an expect-tx arrive; the rest of the producer WG exits. The consumers
 //                 wait for the whole tile, or (bit 2: 6, 7) Q K^T waits for it in three groups
-//                 of three column blocks, starting once the first 24 KB landed. Rows past the chunk are other requests'
-//                 rows (or zeros past the cache): the consumers zero them in V before P V reads
-//                 them, so a non-finite value there cannot leak through 0 * NaN.
+//                 of three column blocks, starting once the first 24 KB landed. Rows past the
+//                 chunk are other requests' rows (or zeros past the cache): the consumers zero
+//                 them in V before P V reads them, so a non-finite value there cannot leak
+//                 through 0 * NaN.
 // The TMA frees the issue slots and the per-thread request queue that 4608 16-byte copies a
 // tile took: with cp.async every case measured ~2.3 TB/s per device of tile traffic whatever the
 // consumers did (H200, first run), the sign of a load-bound pipeline.
