@@ -2,10 +2,11 @@
 
     KDTREE_LIB=build/h200/libkdtree.so python3 -m bench.sm90a_attention [--check] [--time]
 
-Calls the library's temporary entry kdt_verify_attention_sm90a_debug (same arguments as
-kdt_verify_attention, the sm90a kernel only, KDT_ERR_UNSUPPORTED where it cannot run) on
-torch CUDA tensors, for both decompositions (KDT_SM90A_VARIANT=0, the default, and 1, the
-experimental one: verify_attention_sm90a.cu says what each does).
+Calls kdt_verify_attention with KDT_VERIFY_PATH=sm90a (the sm90a kernel only,
+KDT_ERR_UNSUPPORTED where it cannot run) on torch CUDA tensors, for every kernel variant
+(KDT_SM90A_VARIANT 0, 1, 2, 3, 6, 7: bit 0 the consumer decomposition, bit 1 TMA loads instead
+of cp.async, bit 2 Q K^T waiting for a TMA tile in three groups of column blocks;
+verify_attention_sm90a.cu says what each does).
 --check: fresh random bf16 inputs (seed printed) at the MLA shape (d_latent 512, d_rope 64),
   ragged batches, tree sizes and prefixes that are not multiples of the 64-row tile, prefix 0,
   split and unsplit key ranges, head counts 16 / 20 / 64 / 128, a query that sees nothing;
@@ -14,8 +15,11 @@ experimental one: verify_attention_sm90a.cu says what each does).
   small ragged case first: numpy's einsum is too slow at these sizes). Prints
   PASS / FAIL with the max relative errors (max |x - ref| / max |ref|; bound 1e-2).
 --time: a CUDA graph of N calls, time / N, for bs 1 / 16 / 64, prefix 4096 / 32768, tree
-  1 / 16 / 64 at 64 heads, for the sm90a path and kdt_verify_attention's default CUDA path on
-  the same inputs. FLOPs = 2 T H (P + T) (2 Dl + Dr) per request; cache bytes = rows x 1152.
+  1 / 16 / 64 at 64 heads, per variant and for kdt_verify_attention's automatic path on the
+  same inputs; TFLOP/s as a fraction of this run's bf16 matmul ceiling (torch.matmul 8192^3)
+  and, for the AR step (tree 1), cache GB/s as a fraction of this run's copy ceiling (a 2 GiB
+  device-to-device copy: read + write bytes / time). FLOPs = 2 T H (P + T) (2 Dl + Dr) per
+  request; cache bytes = rows x 1152.
 Exit status 1 when a check fails.
 """
 
@@ -25,6 +29,7 @@ import argparse
 import ctypes
 import functools
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -33,12 +38,18 @@ DL, DR, DK = 512, 64, 576
 TOL = 1e-2
 KDT_BACKEND_CUDA = 1
 KDT_DTYPE_BF16 = 1
-VARIANTS = (0, 1)  # KDT_SM90A_VARIANT: 0 the default decomposition, 1 the experimental one
+# KDT_SM90A_VARIANT: bit 0 one WG scores (else split keys), bit 1 TMA, bit 2 grouped TMA waits
+VARIANTS = (0, 1, 2, 3, 6, 7)
+ISOLATED = (2, 3, 6, 7)  # checked in a child process (check_variants_isolated)
+ISOLATED_TIMEOUT_S = 90
 
 
-def set_variant(v: int) -> None:
-    """The library reads KDT_SM90A_VARIANT on every call of the sm90a path."""
-    os.environ["KDT_SM90A_VARIANT"] = str(v)
+def set_variant(v: int | None) -> None:
+    """The library reads KDT_SM90A_VARIANT on every call of the sm90a path (None: its default)."""
+    if v is None:
+        os.environ.pop("KDT_SM90A_VARIANT", None)
+    else:
+        os.environ["KDT_SM90A_VARIANT"] = str(v)
 
 
 def load_library(path: str | None):
@@ -52,9 +63,8 @@ def load_library(path: str | None):
     args = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_int32] * 8 + \
         [ctypes.c_void_p] * 6 + [ctypes.c_int32, ctypes.c_float, ctypes.c_void_p,
                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-    for name in ("kdt_verify_attention", "kdt_verify_attention_sm90a_debug"):
-        getattr(lib, name).argtypes = args
-        getattr(lib, name).restype = ctypes.c_int
+    lib.kdt_verify_attention.argtypes = args
+    lib.kdt_verify_attention.restype = ctypes.c_int
     lib.kdt_verify_attention_workspace_size.argtypes = [ctypes.c_int] + [ctypes.c_int32] * 6
     lib.kdt_verify_attention_workspace_size.restype = ctypes.c_size_t
     lib.kdt_last_error.restype = ctypes.c_char_p
@@ -109,10 +119,12 @@ class Case:
         self.vis_np = vis
         self.vis = self.torch.from_numpy(vis.view(np.int32)).to(self.device)
 
-    def call(self, lib, fn: str, ws) -> None:
+    def call(self, lib, path: str, ws) -> None:
+        """kdt_verify_attention with KDT_VERIFY_PATH=path (read by the library on every call)."""
         torch = self.torch
         stream = torch.cuda.current_stream().cuda_stream
-        st = getattr(lib, fn)(
+        os.environ["KDT_VERIFY_PATH"] = path
+        st = lib.kdt_verify_attention(
             KDT_BACKEND_CUDA, ctypes.c_void_p(stream), KDT_DTYPE_BF16, self.bs, self.H, DL, DR,
             self.total_q, self.total_kv, self.max_tree, self.max_kv, self.qi.data_ptr(),
             self.ki.data_ptr(), self.q_lat.data_ptr(), self.q_pe.data_ptr(), self.kv.data_ptr(),
@@ -120,7 +132,7 @@ class Case:
             self.lse.data_ptr(), ws.data_ptr() if ws is not None else None,
             ws.numel() if ws is not None else 0)
         if st != 0:
-            raise RuntimeError(f"{fn}: status {st}: {lib.kdt_last_error().decode()}")
+            raise RuntimeError(f"path {path}: status {st}: {lib.kdt_last_error().decode()}")
 
     def workspace(self, lib):
         n = lib.kdt_verify_attention_workspace_size(KDT_BACKEND_CUDA, self.bs, self.H, DL,
@@ -213,7 +225,7 @@ def check_case(lib, case: Case, detail: bool = True) -> tuple[float, float]:
     ws = case.workspace(lib)
     case.out.fill_(float("nan"))
     case.lse.fill_(float("nan"))
-    case.call(lib, "kdt_verify_attention_sm90a_debug", ws)
+    case.call(lib, "sm90a", ws)
     case.torch.cuda.synchronize()
     ref_out, ref_lse = reference_gpu(case)
     out, lse = case.out.cpu().numpy(), case.lse.cpu().numpy()
@@ -228,6 +240,8 @@ CHECKS = [  # (name, H, prefixes, trees)
     ("split bs1 H64 P4113 T64", 64, [4113], [64]),
     ("split bs1 H64 P3000 T1 (AR step)", 64, [3000], [1]),
     ("split ragged bs2 H64 P 2000/700 T 3/5 (empty chunks)", 64, [2000, 700], [3, 5]),
+    ("AR step ragged bs2 H64 P 4000/300 T 1/1 (16 splits: wide merge, empty chunks)", 64,
+     [4000, 300], [1, 1]),
     ("unsplit ragged bs2 H64 P 2000/700 T 3/64", 64, [2000, 700], [3, 64]),
     ("split H16 bs1 P1000 T40 (tree crosses a chunk boundary)", 16, [1000], [40]),
     ("unsplit bs8 H64 T64 P 0..300", 64, [0, 17, 64, 65, 128, 200, 257, 300], [64] * 8),
@@ -266,10 +280,65 @@ def _check_variant(lib, torch, rng, tag: str) -> bool:
         print(f"FAIL  {tag}masked-out row: {e}")
         good = False
     ok &= good
+    # a NaN in the next request's first cache row stays there: request 0's last tile ends inside
+    # a 64-row box, whose other rows (request 1's) must not reach its P V
+    case = Case(torch, rng, 64, [100, 50], [5, 3])
+    case.kv[case.total_kv - 53].fill_(float("nan"))
+    try:
+        ws = case.workspace(lib)
+        case.call(lib, "sm90a", ws)
+        torch.cuda.synchronize()
+        ref_out, ref_lse = reference_gpu(case)
+        out, lse = case.out.cpu().numpy()[:5], case.lse.cpu().numpy()[:5]
+        e_out, e_lse = rel_err(out, ref_out[:5]), rel_err(lse, ref_lse[:5])
+        good = e_out < TOL and e_lse < TOL and bool(np.isfinite(out).all())
+        print(f"{'PASS' if good else 'FAIL'}  {tag}NaN in the next request's rows does not leak: "
+              f"request 0 out rel err {e_out:.3g}, lse rel err {e_lse:.3g}")
+    except RuntimeError as e:
+        print(f"FAIL  {tag}NaN in the next request's rows: {e}")
+        good = False
+    ok &= good
     return ok
 
 
-def run_checks(lib, torch, seed: int) -> bool:
+def check_variants(lib, torch, rng, variants) -> list[int]:
+    """Checks each variant; prints a PASS / FAIL line per variant; returns those that pass."""
+    passed = []
+    for variant in variants:
+        set_variant(variant)
+        good_v = _check_variant(lib, torch, rng, f"[v{variant}] ")
+        print(f"sm90a check [v{variant}]: {'PASS' if good_v else 'FAIL'}", flush=True)
+        if good_v:
+            passed.append(variant)
+    set_variant(None)
+    return passed
+
+
+def check_variants_isolated(lib_path: str | None, seed: int, variants) -> list[int]:
+    """The same in a child process with a time limit: a kernel that hangs or faults (a sticky
+    CUDA error) there costs its variants, not this process's timing of the others."""
+    cmd = [sys.executable, "-m", "bench.sm90a_attention", "--check-variants",
+           ",".join(map(str, variants)), "--seed", str(seed)]
+    if lib_path:
+        cmd += ["--lib", lib_path]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        r = subprocess.run(cmd, check=False, cwd=root, capture_output=True, text=True,
+                           timeout=ISOLATED_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        print(out, end="")
+        print(f"FAIL  variants {list(variants)}: no answer within {ISOLATED_TIMEOUT_S} s (a hang?)")
+        return []
+    print(r.stdout, end="")
+    if r.returncode not in (0, 1):
+        print(f"FAIL  variants {list(variants)}: child exit status {r.returncode}: {r.stderr[-2000:]}")
+    return [v for v in variants if f"sm90a check [v{v}]: PASS" in r.stdout]
+
+
+def run_checks(lib, torch, seed: int, lib_path: str | None = None) -> tuple[bool, list[int]]:
+    """All checks; returns (all passed, the variants that passed). The TMA variants (new, not
+    yet run on a GPU when written) run in a child process (check_variants_isolated)."""
     rng = np.random.default_rng(seed)
     print(f"sm90a check: seed {seed}, bound {TOL}")
     small = Case(torch, rng, 4, [5, 0, 40], [3, 7, 33])
@@ -281,23 +350,24 @@ def run_checks(lib, torch, seed: int) -> bool:
     ok = good
     print(f"{'PASS' if good else 'FAIL'}  float64 GPU reference vs engine.reference.mla: "
           f"max rel diff {agree:.3g}")
-    for variant in VARIANTS:
-        set_variant(variant)
-        good_v = _check_variant(lib, torch, rng, f"[v{variant}] ")
-        print(f"sm90a check [v{variant}]: {'PASS' if good_v else 'FAIL'}")
-        ok &= good_v
-    set_variant(0)
+    here = [v for v in VARIANTS if v not in ISOLATED]
+    passed = check_variants(lib, torch, rng, here)
+    passed += check_variants_isolated(lib_path, seed + 1, [v for v in VARIANTS if v in ISOLATED])
+    ok &= len(passed) == len(VARIANTS)
     # shapes / dtypes the path does not take are refused, not computed
-    st = lib.kdt_verify_attention_sm90a_debug(
+    os.environ["KDT_VERIFY_PATH"] = "sm90a"
+    ws = small.workspace(lib)
+    st = lib.kdt_verify_attention(
         KDT_BACKEND_CUDA, None, 0, 1, 64, DL, DR, 1, 1, 1, 1, small.qi.data_ptr(),
         small.ki.data_ptr(), small.q_lat.data_ptr(), small.q_pe.data_ptr(), small.kv.data_ptr(),
-        small.vis.data_ptr(), 1, 1.0, small.out.data_ptr(), small.lse.data_ptr(), None, 0)
+        small.vis.data_ptr(), 1, 1.0, small.out.data_ptr(), small.lse.data_ptr(), ws.data_ptr(),
+        ws.numel())
     msg = lib.kdt_last_error().decode()
     good = st == 2 and "bf16" in msg
     ok &= good
     print(f"{'PASS' if good else 'FAIL'}  float32 cache refused: status {st} ({msg})")
     print("sm90a check (all):", "PASS" if ok else "FAIL")
-    return ok
+    return ok, sorted(passed)
 
 
 def time_graph(torch, fn, target_s: float = 0.25) -> float:
@@ -330,36 +400,47 @@ def time_graph(torch, fn, target_s: float = 0.25) -> float:
     return best
 
 
-def run_timing(lib, torch) -> None:
+def run_timing(lib, torch, variants=VARIANTS) -> None:
+    from bench import ceilings
+
+    ceil = ceilings.measure("cuda")
+    mm, cp = ceil["matmul"]["value"], ceil["copy"]["value"]
     rng = np.random.default_rng(0)
-    print("sm90a timing (H 64, 512 + 64, bf16; CUDA graph of N calls / N; best of 3 replays; "
-          "v0 / v1 = KDT_SM90A_VARIANT; GB/s = cache bytes / time; default = kdt_verify_attention)")
-    print(f"{'bs':>3} {'prefix':>6} {'tree':>4} | {'v0 ms':>8} {'TFLOP/s':>7} {'GB/s':>5} | "
-          f"{'v1 ms':>8} {'TFLOP/s':>7} {'GB/s':>5} | {'default ms':>10} {'TFLOP/s':>7} | best speedup")
+    print(f"sm90a timing (H 64, 512 + 64, bf16; CUDA graph of N calls / N, best of 3 replays; "
+          f"vN = KDT_SM90A_VARIANT=N, auto = kdt_verify_attention's own choice; ceilings of this run: "
+          f"matmul {mm:.0f} TFLOP/s, copy {cp:.0f} GB/s; %mm = TFLOP/s / matmul, %cp = cache GB/s / copy)")
+    head = " | ".join(f"{'v' + str(v) + ' ms':>8} {'TF/s':>5}" for v in variants)
+    print(f"{'bs':>3} {'prefix':>6} {'tree':>4} | {head} | {'auto ms':>8} {'TF/s':>5} {'%mm':>4} "
+          f"{'GB/s':>5} {'%cp':>4} | best variant (%mm, %cp)")
     for bs in (1, 16, 64):
         for P in (4096, 32768):
             for T in (1, 16, 64):
                 case = Case(torch, rng, 64, [P] * bs, [T] * bs)
                 ws = case.workspace(lib)
                 f, b = case.flops(), case.cache_bytes()
-                cols, times = [], []
-                for v in VARIANTS:
+                cols, times = [], {}
+                for v in variants:
                     set_variant(v)
                     try:
-                        t = time_graph(torch, functools.partial(
-                            case.call, lib, "kdt_verify_attention_sm90a_debug", ws))
+                        t = time_graph(torch, functools.partial(case.call, lib, "sm90a", ws))
                     except RuntimeError as e:
-                        cols.append(f"failed: {e}"[:26].ljust(26))
+                        cols.append(f"failed: {e}"[:14].ljust(14))
                         continue
-                    times.append(t)
-                    cols.append(f"{t * 1e3:>8.3f} {f / t / 1e12:>7.1f} {b / t / 1e9:>5.0f}")
-                set_variant(0)
-                t_old = time_graph(torch, functools.partial(case.call, lib, "kdt_verify_attention", ws))
-                best = f"{t_old / min(times):.2f}x" if times else "-"
-                print(f"{bs:>3} {P:>6} {T:>4} | {' | '.join(cols)} | {t_old * 1e3:>10.3f} "
-                      f"{f / t_old / 1e12:>7.1f} | {best}", flush=True)
+                    times[v] = t
+                    cols.append(f"{t * 1e3:>8.3f} {f / t / 1e12:>5.0f}")
+                set_variant(None)
+                t_a = time_graph(torch, functools.partial(case.call, lib, "auto", ws))
+                best = "-"
+                if times:
+                    v = min(times, key=times.get)
+                    t = times[v]
+                    best = f"v{v} ({f / t / 1e12 / mm:.0%}, {b / t / 1e9 / cp:.0%})"
+                print(f"{bs:>3} {P:>6} {T:>4} | {' | '.join(cols)} | {t_a * 1e3:>8.3f} "
+                      f"{f / t_a / 1e12:>5.0f} {f / t_a / 1e12 / mm:>4.0%} {b / t_a / 1e9:>5.0f} "
+                      f"{b / t_a / 1e9 / cp:>4.0%} | {best}", flush=True)
                 case = ws = None
                 torch.cuda.empty_cache()
+    set_variant(None)
 
 
 def main(argv=None) -> int:
@@ -368,6 +449,8 @@ def main(argv=None) -> int:
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--time", action="store_true")
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--check-variants", default=None,
+                    help="comma list: check only these KDT_SM90A_VARIANT values (the child mode)")
     a = ap.parse_args(argv)
     import torch
 
@@ -375,12 +458,18 @@ def main(argv=None) -> int:
         print("SKIP: no CUDA device")
         return 0
     lib = load_library(a.lib)
-    ok = True
+    seed = a.seed if a.seed is not None else int(np.random.SeedSequence().entropy % 2**32)
+    if a.check_variants is not None:
+        want = [int(v) for v in a.check_variants.split(",") if v]
+        passed = check_variants(lib, torch, np.random.default_rng(seed), want)
+        return 0 if len(passed) == len(want) else 1
+    ok, variants = True, list(VARIANTS)
     if a.check or not a.time:
-        seed = a.seed if a.seed is not None else int(np.random.SeedSequence().entropy % 2**32)
-        ok = run_checks(lib, torch, seed)
+        ok, variants = run_checks(lib, torch, seed, a.lib)
     if a.time:
-        run_timing(lib, torch)
+        if len(variants) < len(VARIANTS):
+            print(f"timing only the variants that passed the check: {variants}")
+        run_timing(lib, torch, variants)
     return 0 if ok else 1
 
 

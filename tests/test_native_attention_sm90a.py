@@ -2,8 +2,8 @@
 
 Fresh random bf16 inputs at the MLA shape for every case of bench/sm90a_attention.py's CHECKS
 (ragged batches, trees and prefixes that are not multiples of the 64-row tile, prefix 0, split
-and unsplit key ranges, head counts 16 / 20 / 64 / 128), through the library's temporary entry
-kdt_verify_attention_sm90a_debug, against the float64 GPU reference of that module (itself
+and unsplit key ranges, head counts 16 / 20 / 64 / 128), through kdt_verify_attention with
+KDT_VERIFY_PATH=sm90a, for every kernel variant (KDT_SM90A_VARIANT 0, 1, 2, 3, 6, 7), against the float64 GPU reference of that module (itself
 checked against engine.reference.mla below). Bound: max |x - ref| / max |ref| < 1e-2.
 Skips without a compute capability 9.0 GPU or a library built with sm_90a.
 """
@@ -26,10 +26,14 @@ def setup():
                     "runs on 9.0 only")
     from bench.sm90a_attention import load_library
 
-    lib = load_library(None)
-    if not hasattr(lib, "kdt_verify_attention_sm90a_debug"):
-        pytest.skip("this libkdtree.so has no kdt_verify_attention_sm90a_debug")
-    return torch, lib
+    return torch, load_library(None)
+
+
+@pytest.fixture(autouse=True)
+def _restore_env(monkeypatch):
+    """The bench helpers set KDT_VERIFY_PATH / KDT_SM90A_VARIANT; give later tests theirs back."""
+    monkeypatch.setenv("KDT_VERIFY_PATH", "sm90a")
+    monkeypatch.delenv("KDT_SM90A_VARIANT", raising=False)
 
 
 def _cases():
@@ -38,7 +42,7 @@ def _cases():
     return CHECKS
 
 
-@pytest.mark.parametrize("variant", [0, 1])
+@pytest.mark.parametrize("variant", [0, 1, 2, 3, 6, 7])
 @pytest.mark.parametrize("name,H,prefixes,trees", _cases(), ids=[c[0] for c in _cases()])
 def test_sm90a_matches_reference(setup, name, H, prefixes, trees, variant):
     from bench.sm90a_attention import TOL, Case, check_case, set_variant

@@ -1,46 +1,62 @@
 // verify_attention_sm90a.cu: the Hopper (sm_90a) path of kdt_verify_attention: wgmma tensor
-// cores fed by a warp-specialised cp.async pipeline, for bf16 caches at the MLA shape
-// (d_latent 512, d_rope 64, any head count). Raw PTX (wgmma.mma_async with shared-memory matrix
-// descriptors, mbarrier, cp.async), no CUTLASS: nothing to vendor onto a host without internet,
-// and a compile that stays short on small build machines.
+// cores fed by a warp-specialised load pipeline (TMA or cp.async), for bf16 caches at the MLA
+// shape (d_latent 512, d_rope 64, any head count). Raw PTX (wgmma.mma_async with shared-memory
+// matrix descriptors, mbarrier, cp.async.bulk.tensor / cp.async), no CUTLASS: nothing to vendor
+// onto a host without internet, and a compile that stays short on small build machines.
 //
 // Work decomposition. Rows of request b are (node, head) pairs, row = node * H + head, so with
 // 64 heads one M tile of 64 rows is one tree node. Grid (M tiles, splits, bs): a CTA owns one
 // 64-row M tile of one request and one chunk of its key range [0, kv_len) (prefix then tree;
-// chunks from VerifyAttentionPlan, so the workspace query is shared with the other backends).
-// With one split the CTA writes out / lse itself; with several it writes a normalised partial
-// state (o / d, lse) into the workspace and a merge kernel combines the chunks by LSE
-// (kdt::merge_weight / merged_lse of attention_state.cuh). A chunk past a request's kv_len
-// writes the empty state (lse = -inf), so the merge reads every slot.
+// at most VerifyAttentionPlan's split count, so the workspace query is shared with the other
+// backends). With one split the CTA writes out / lse itself; with several it writes a
+// normalised partial state (o / d, lse) into the workspace and a merge kernel combines the
+// chunks by LSE (kdt::merge_weight / merged_lse of attention_state.cuh): a warp a row for a few
+// splits, a block a (row, column quarter) with the splits spread over its warps for many (the
+// AR step at bs 1). A chunk past a request's kv_len writes the empty state (lse = -inf).
 //
 // Inside a CTA: 3 warpgroups. WG0 is the producer: it streams 64-row cache tiles (64 x 576 bf16
-// = 72 KB) into a 2-stage ring with 16-byte cp.async (rows past the chunk zero-filled), laid
-// out as nine 64 x 64 column blocks in the 128-byte-swizzled K-major form that wgmma reads,
-// and signals each stage on an mbarrier after a proxy fence. WG1 and WG2 are the consumers:
-//   S_w = Q K_w^T: WG w scores keys [32 w, 32 w + 32) of the tile for all 64 rows
-//                  (wgmma m64n32k16 x 36, Q and K both K-major from shared memory);
-//   row max exchanged between the two WGs through shared memory (named barrier), so both keep
-//   the same running max; P = exp(S - m) written as bf16 into a shared 64 x 64 tile;
-//   O_w += P V_w:  WG w owns output columns [256 w, 256 w + 256) (wgmma m64n256k16 x 4, P
-//                  K-major, V = the first 512 columns of the same cache tile, MN-major).
-// So each WG holds a 64 x 256 fp32 accumulator (128 registers a thread); setmaxnreg gives the
-// consumers 232 registers and the producer 40. The tree mask is applied only on tiles that
-// reach the tree tail (or the chunk end); prefix keys are visible to every row.
-// Scores are kept in base 2 (scale * log2 e) and the LSE converted back to the natural log.
+// = 72 KB) into a 2-stage ring, laid out as nine 64 x 64 column blocks in the 128-byte-swizzled
+// form that wgmma reads, each stage signalled on an mbarrier. Two ways (KDT_SM90A_VARIANT bit 1):
+//   cp.async (0): all 128 producer threads copy 16 bytes at a time, rows past the chunk
+//                 zero-filled, then a proxy fence and an arrive;
+//   TMA (2):      one thread issues nine cp.async.bulk.tensor boxes a tile (tensor map encoded
+//                 on the host per call, swizzle done by the TMA unit), each on its own mbarrier
+//                 with an expect-tx arrive; the rest of the producer WG exits. The consumers
+//                 wait for the whole tile, or (bit 2: 6, 7) Q K^T waits for it in three groups
+//                 of three column blocks, starting once the first 24 KB landed. Rows past the
+//                 chunk are other requests' rows (or zeros past the cache): the consumers zero
+//                 them in V before P V reads them, so a non-finite value there cannot leak
+//                 through 0 * NaN.
+// The TMA frees the issue slots and the per-thread request queue that 4608 16-byte copies a
+// tile took: with cp.async every case measured ~2.3 TB/s per device of tile traffic whatever the
+// consumers did (H200, first run), the sign of a load-bound pipeline.
+// WG1 and WG2 are the consumers; two decompositions (KDT_SM90A_VARIANT bit 0):
+//   split keys (0): S_w = Q K_w^T, WG w scores keys [32 w, 32 w + 32) of the tile for all 64
+//       rows (wgmma m64n32k16 x 36, Q and K both K-major from shared memory); the row max is
+//       exchanged through shared memory (named barrier), so both keep the same running max;
+//       P = exp(S - m) written as bf16 into a shared 64 x 64 tile;
+//       O_w += P V_w: WG w owns output columns [256 w, 256 w + 256) (wgmma m64n256k16 x 4, P
+//       K-major, V = the first 512 columns of the same cache tile, MN-major).
+//   one scorer (1): WG1 scores all 64 keys (m64n64: a third less shared-memory traffic for Q
+//       than two m64n32 halves) and owns the softmax; it hands P and the per-row rescale
+//       factors to WG2 through shared memory and scores tile i + 1 while WG2 still multiplies
+//       P(i) V (see attention_kernel<1, *>).
+// Each consumer WG holds a 64 x 256 fp32 accumulator (128 registers a thread); setmaxnreg gives
+// the consumers 232 registers and the producer 40. The tree mask is applied only on tiles that
+// reach the tree tail (or the chunk end); prefix keys are visible to every row. Scores are kept
+// in base 2 (scale * log2 e) and the LSE converted back to the natural log.
 //
-// KDT_SM90A_VARIANT=1 (read on every call; experimental, for A/B timing) selects a second
-// decomposition of the consumers: one WG scores all 64 keys (m64n64, a third less shared-memory
-// traffic for Q than two m64n32 halves) and owns the softmax, and scores tile i + 1 while the
-// other WG still multiplies P(i) V; see attention_kernel<1>.
-//
-// nvcc 13.0 -O3 -Xptxas -v, sm_90a: both variants 168 registers at entry (setmaxnreg then
-// moves them to the consumers), no spills, 231456 B of dynamic shared memory, 1 CTA per SM.
-// NOT YET RUN ON A GPU (written without one): bench/sm90a_attention.py --check is the test.
+// nvcc 13.0 -O3 -Xptxas -v, sm_90a: all six kernels 168 registers at entry (setmaxnreg then
+// moves them to the consumers), no spills, 231584 B of dynamic shared memory, 1 CTA per SM.
+// H200 (first run, cp.async): correct in both decompositions; 283-302 TFLOP/s at tree 16 / 64.
+// The TMA kernels and the wide merge are not yet run on a GPU.
 //
 // The sm_90a code exists only in the compute_90a pass (__CUDA_ARCH_FEAT_SM90_ALL); in the other
 // passes the kernels are empty stubs, and the host entry returns KDT_ERR_UNSUPPORTED unless the
 // device is compute capability 9.0 and the binary carries sm_90a code for it.
+#include <cuda.h>  // CUtensorMap (the encode function comes through the runtime, no -lcuda)
 #include <cuda_runtime.h>
+#include <cudaTypedefs.h>
 
 #include <atomic>
 #include <cmath>
@@ -64,13 +80,14 @@ constexpr int kBlockBytes = 64 * 128;                // one 64-row x 128 B block
 constexpr int kTileBytes = kBlocks * kBlockBytes;    // 73728: Q tile and one cache stage
 constexpr int kStages = 2;
 constexpr int kThreads = 384;  // producer WG + 2 consumer WGs
+constexpr int kDefaultVariant = 0;  // KDT_SM90A_VARIANT when unset (see verify_attention_sm90a)
 // shared memory: Q | stages | P | max/sum exchange | mbarriers (+1 KB slack to align to 1 KB)
 constexpr int kOffQ = 0;
 constexpr int kOffKV = kOffQ + kTileBytes;
 constexpr int kOffP = kOffKV + kStages * kTileBytes;
 constexpr int kOffRed = kOffP + kM * 128;
 constexpr int kOffBar = kOffRed + 2 * 2 * kM * 4;
-constexpr int kSmemUsed = kOffBar + 2 * kStages * 8;
+constexpr int kSmemUsed = kOffBar + (kBlocks + 1) * kStages * 8;  // full [stage][block], empty
 constexpr int kSmemBytes = kSmemUsed + 1024;
 static_assert(kSmemBytes <= 232448, "over the 227 KB an sm_90 block may use");
 static_assert(kN == 64 && kM == 64, "the wgmma shapes below assume 64-row tiles");
@@ -114,6 +131,17 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
       "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
       "@!done bra WAIT_%=;\n}\n" ::"r"(bar),
       "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// One TMA load of a 2-D box (coordinates: column, row) into shared memory, completing on `bar`.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int32_t col, int32_t row,
+                                            uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(col), "r"(row), "r"(bar)
       : "memory");
 }
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
@@ -249,6 +277,39 @@ __device__ __forceinline__ void wgmma_m64n256_ss_tb(float (&d)[128], uint64_t da
 }
 
 
+// Zeroes rows [valid, 64) of a stage's V part (column blocks 0-7) with threads t of n: on a
+// tile that the chunk ends inside, the TMA brought other requests' cache rows there, and P = 0
+// times a non-finite value would still be NaN. The caller fences (proxy) and syncs before P V.
+__device__ __forceinline__ void zero_tail_rows(uint8_t* stage, int valid, int t, int n) {
+  const int count = (kN - valid) * 64;  // rows x 8 blocks x 8 chunks of 16 bytes
+  for (int e = t; e < count; e += n) {
+    const int r = valid + (e >> 6), blk = (e >> 3) & 7, c = e & 7;
+    *reinterpret_cast<uint4*>(stage + blk * kBlockBytes + r * 128 + c * 16) = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+// Waits for column blocks [b0, b0 + 3) of a TMA stage. Q K^T waits in three groups, so it starts
+// once the first 24 KB of the tile landed; each wait between wgmmas costs a wgmma fence (ptxas
+// injects it around the spin loop), so not one wait a block.
+__device__ __forceinline__ void wait_blocks(uint32_t full, int b0, uint32_t parity) {
+#pragma unroll
+  for (int b = b0; b < b0 + 3; ++b) mbar_wait(full + 8 * b, parity);
+}
+
+// O *= the per-row factors (rows r0, r1 of this thread). Skipped, exactly, when no row of the
+// warp changed its running max (every factor 1): after the first tiles of a long prefix that is
+// most tiles, and it saves 128 multiplies a thread on the consumers' critical path.
+__device__ __forceinline__ void rescale_o(float (&o)[128], float f0, float f1) {
+  if (!__any_sync(0xffffffffu, f0 != 1.f || f1 != 1.f)) return;
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+    o[4 * j + 0] *= f0;
+    o[4 * j + 1] *= f0;
+    o[4 * j + 2] *= f1;
+    o[4 * j + 3] *= f1;
+  }
+}
+
 #endif  // KDT_SM90A_DEVICE
 
 // kVariant 0: both consumer WGs score half the keys each (m64n32), exchange the row max, and
@@ -256,15 +317,22 @@ __device__ __forceinline__ void wgmma_m64n256_ss_tb(float (&d)[128], uint64_t da
 //   (w = 0) scores all 64 keys (m64n64: a third less shared-memory traffic for Q) and owns the
 //   softmax; it hands P and the per-row rescale factors to the other WG through shared memory,
 //   and scores tile i + 1 while the other WG still multiplies P(i) V.
-template <int kVariant>
-__global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) {
+// kLoad: 0 cp.async by the producer WG; 1 TMA, Q K^T after the whole tile landed; 2 TMA, Q K^T
+// waiting for the tile in three groups of column blocks (wait_blocks).
+template <int kVariant, int kLoad>
+__global__ void __launch_bounds__(kThreads, 1)
+    attention_kernel(const Params p, const __grid_constant__ CUtensorMap kv_map) {
+  constexpr bool kTma = kLoad > 0, kGroupWaits = kLoad == 2;
 #if defined(KDT_SM90A_DEVICE)
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const uint32_t s_base = smem_u32(smem);
   const uint32_t s_q = s_base + kOffQ, s_kv = s_base + kOffKV, s_p = s_base + kOffP;
   float* red = reinterpret_cast<float*>(smem + kOffRed);  // [2 (max, sum)][2 WGs][64 rows]
-  const uint32_t bar_full = s_base + kOffBar, bar_empty = bar_full + 8 * kStages;
+  // full barrier of (stage s, column block b): bar_full + 8 (s kBlocks + b). The TMA kernels
+  // signal each 64-column block on its own barrier, so Q K^T starts on block 0 while the rest of
+  // the tile still lands; the cp.async kernels signal the whole tile on block 0's.
+  const uint32_t bar_full = s_base + kOffBar, bar_empty = bar_full + 8 * kStages * kBlocks;
 
   const int tid = threadIdx.x;
   const int b = blockIdx.z;
@@ -299,7 +367,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) 
 
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(bar_full + 8 * s, 128);   // every producer thread arrives
+      for (int b = 0; b < kBlocks; ++b)  // TMA: one arrive + the transaction bytes
+        mbar_init(bar_full + 8 * (s * kBlocks + b), kTma ? 1 : 128);
       mbar_init(bar_empty + 8 * s, 256);  // every consumer thread arrives
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -309,6 +378,27 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) 
   if (tid < 128) {
     // ============================== producer warpgroup
     setmaxnreg_dec<40>();
+    if constexpr (kTma) {
+      // One thread streams the tiles: nine 64 x 64 boxes (one per 128-byte column block, the
+      // tensor map swizzles them as wgmma reads them) on the stage's full barrier. Rows past the
+      // cache are zero-filled by the TMA unit; rows past the chunk but inside the cache are other
+      // requests' rows, zeroed by the consumers before P V reads them (zero_tail_rows).
+      if (tid == 0) {
+        for (int i = 0; i < n_tiles; ++i) {
+          const int s = i % kStages;
+          mbar_wait(bar_empty + 8 * s, ((i / kStages) & 1) ^ 1);
+          const int32_t row = int32_t(k0 + begin + int64_t(i) * kN);
+          const uint32_t dst0 = s_kv + s * kTileBytes;
+#pragma unroll
+          for (int blk = 0; blk < kBlocks; ++blk) {
+            const uint32_t bar = bar_full + 8 * (s * kBlocks + blk);
+            mbar_arrive_expect_tx(bar, kBlockBytes);
+            tma_load_2d(dst0 + blk * kBlockBytes, &kv_map, blk * 64, row, bar);
+          }
+        }
+      }
+      return;
+    }
     const uint16_t* src0 = p.kv + k0 * kDK;
     for (int i = 0; i < n_tiles; ++i) {
       const int s = i % kStages;
@@ -327,13 +417,13 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) 
       if (i > 0) {
         cp_async_wait<1>();
         fence_proxy_async();
-        mbar_arrive(bar_full + 8 * ((i - 1) % kStages));
+        mbar_arrive(bar_full + 8 * kBlocks * ((i - 1) % kStages));
       }
     }
     if (n_tiles > 0) {
       cp_async_wait<0>();
       fence_proxy_async();
-      mbar_arrive(bar_full + 8 * ((n_tiles - 1) % kStages));
+      mbar_arrive(bar_full + 8 * kBlocks * ((n_tiles - 1) % kStages));
     }
     return;
   }
@@ -381,7 +471,10 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) 
     const int s = i % kStages;
     const int64_t t0 = begin + int64_t(i) * kN;
     const uint32_t st = s_kv + s * kTileBytes;
-    mbar_wait(bar_full + 8 * s, (i / kStages) & 1);
+    const uint32_t full = bar_full + 8 * kBlocks * s, parity = (i / kStages) & 1;
+    if (!kTma) mbar_wait(full, parity);
+    if (kTma && !kGroupWaits)
+      for (int b = 0; b < kBlocks; ++b) mbar_wait(full + 8 * b, parity);
 
     // ---- S = Q K_w^T over 576 = 36 k-steps of 16
     float sc[16];
@@ -394,6 +487,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) 
       const uint32_t koff = (ks >> 2) * kBlockBytes + (ks & 3) * 32;
       const uint64_t da = make_desc(s_q + koff, 16, 1024);
       const uint64_t db = make_desc(st + koff + w * 32 * 128, 16, 1024);
+      if (kGroupWaits && ks % 12 == 0) wait_blocks(full, ks / 4, parity);
       wgmma_m64n32_ss(sc, da, db, ks > 0 ? 1 : 0);
     }
     wgmma_commit();
@@ -435,7 +529,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) 
       red_max[w * kM + r0] = mx0;
       red_max[w * kM + r1] = mx1;
     }
-    named_bar_sync(1, 256);
+    named_bar_sync(1, 256);  // (also: both WGs' Q K^T of this stage are done)
+    if (kTma && t0 + kN > end) zero_tail_rows(smem + kOffKV + s * kTileBytes, int(end - t0), ct, 256);
     const float nm0 = fmaxf(m0, fmaxf(red_max[r0], red_max[kM + r0]));
     const float nm1 = fmaxf(m1, fmaxf(red_max[r1], red_max[kM + r1]));
     // exp2 base: -inf max means nothing visible yet; use 0 so exp2(-inf - 0) = 0, never NaN
@@ -458,13 +553,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) 
       *reinterpret_cast<uint32_t*>(smem + kOffP + swz(r1, chunk16) + q4 * 4) = pack_bf16(p10, p11);
     }
     // ---- rescale O
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      o[4 * j + 0] *= f0;
-      o[4 * j + 1] *= f0;
-      o[4 * j + 2] *= f1;
-      o[4 * j + 3] *= f1;
-    }
+    rescale_o(o, f0, f1);
     fence_proxy_async();
     named_bar_sync(1, 256);
 
@@ -489,7 +578,12 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) 
     const int s = i % kStages;
     const int64_t t0 = begin + int64_t(i) * kN;
     const uint32_t st = s_kv + s * kTileBytes;
-    mbar_wait(bar_full + 8 * s, (i / kStages) & 1);
+    const uint32_t full = bar_full + 8 * kBlocks * s, parity = (i / kStages) & 1;
+    if (!kTma) {
+      mbar_wait(full, parity);
+    } else if (w == 1 || !kGroupWaits) {
+      for (int b = 0; b < kBlocks; ++b) mbar_wait(full + 8 * b, parity);  // WG1: landed by its turn
+    }
     if (w == 0) {
       // ---- S = Q K^T for all 64 keys of the tile
       float sc[32];
@@ -500,12 +594,14 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) 
 #pragma unroll
       for (int ks = 0; ks < 36; ++ks) {
         const uint32_t koff = (ks >> 2) * kBlockBytes + (ks & 3) * 32;
+        if (kGroupWaits && ks % 12 == 0) wait_blocks(full, ks / 4, parity);
         wgmma_m64n64_ss(sc, make_desc(s_q + koff, 16, 1024), make_desc(st + koff, 16, 1024),
                         ks > 0 ? 1 : 0);
       }
       wgmma_commit();
       wgmma_wait<0>();
       reg_fence(sc);
+      if (kTma && t0 + kN > end) zero_tail_rows(smem + kOffKV + s * kTileBytes, int(end - t0), t, 128);
       const bool masked = t0 + kN > P || t0 + kN > end;
       float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
@@ -558,25 +654,13 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const Params p) 
         fac[r0] = f0;
         fac[r1] = f1;
       }
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        o[4 * j + 0] *= f0;
-        o[4 * j + 1] *= f0;
-        o[4 * j + 2] *= f1;
-        o[4 * j + 3] *= f1;
-      }
+      rescale_o(o, f0, f1);
       fence_proxy_async();
       named_bar_sync(1, 256);  // P(i) and the factors are in shared memory
     } else {
       named_bar_sync(1, 256);
       const float f0 = fac[r0], f1 = fac[r1];
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        o[4 * j + 0] *= f0;
-        o[4 * j + 1] *= f0;
-        o[4 * j + 2] *= f1;
-        o[4 * j + 3] *= f1;
-      }
+      rescale_o(o, f0, f1);
     }
     // ---- O_w += P V_w
     reg_fence(o);
@@ -674,6 +758,79 @@ __global__ void __launch_bounds__(256) merge_kernel(const Params p) {
 #endif
 }
 
+// The same merge for many splits (the AR step: one M tile a request, up to ~130 chunks), where
+// one warp a row would walk the splits one dependent load after another on a handful of SMs: a
+// block per (row, 128-column quarter), warp w taking splits w, w + 8, ..., a lane 4 columns; the
+// eight warps' partial sums meet in shared memory.
+constexpr int kWideWarps = 8;
+__global__ void __launch_bounds__(256) merge_wide_kernel(const Params p) {
+#if defined(KDT_SM90A_DEVICE)
+  __shared__ float4 part[kWideWarps][32];
+  __shared__ float wred[kWideWarps];
+  __shared__ int wnan[kWideWarps];
+  const int64_t all_rows = int64_t(p.total_q) * p.H;
+  const int64_t g = blockIdx.x;
+  const int quarter = blockIdx.y;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  float lmax = -INFINITY;
+  bool nan = false;
+  for (int64_t sp = threadIdx.x; sp < p.splits; sp += 32 * kWideWarps) {
+    const float l = p.ws_lse[sp * all_rows + g];
+    nan |= l != l;
+    lmax = fmaxf(lmax, l);
+  }
+#pragma unroll
+  for (int off = 16; off >= 1; off >>= 1) lmax = fmaxf(lmax, __shfl_xor_sync(0xffffffffu, lmax, off));
+  nan = __any_sync(0xffffffffu, nan);
+  if (lane == 0) {
+    wred[warp] = lmax;
+    wnan[warp] = nan ? 1 : 0;
+  }
+  __syncthreads();
+  lmax = wred[0];
+  int any_nan = wnan[0];
+#pragma unroll
+  for (int w = 1; w < kWideWarps; ++w) {
+    lmax = fmaxf(lmax, wred[w]);
+    any_nan |= wnan[w];
+  }
+  __syncthreads();  // wred is reused for the weight sums below
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  float wsum = 0.f;
+#pragma unroll 4
+  for (int64_t sp = warp; sp < p.splits; sp += kWideWarps) {
+    const int64_t slot = sp * all_rows + g;
+    const float wgt = merge_weight(p.ws_lse[slot], lmax);
+    const float4 v = wgt == 0.f ? make_float4(0.f, 0.f, 0.f, 0.f)  // an empty chunk's o is not read
+                                : reinterpret_cast<const float4*>(p.ws_o + slot * kDL)[quarter * 32 + lane];
+    wsum += wgt;
+    acc.x = fmaf(wgt, v.x, acc.x);
+    acc.y = fmaf(wgt, v.y, acc.y);
+    acc.z = fmaf(wgt, v.z, acc.z);
+    acc.w = fmaf(wgt, v.w, acc.w);
+  }
+  part[warp][lane] = acc;
+  if (lane == 0) wred[warp] = wsum;
+  __syncthreads();
+  if (warp != 0) return;
+  float4 a = part[0][lane];
+  float ws = wred[0];
+#pragma unroll
+  for (int w = 1; w < kWideWarps; ++w) {
+    const float4 b = part[w][lane];
+    a.x += b.x;
+    a.y += b.y;
+    a.z += b.z;
+    a.w += b.w;
+    ws += wred[w];
+  }
+  const float winv = any_nan ? __int_as_float(0x7fc00000) : (ws > 0.f ? 1.f / ws : 0.f);
+  reinterpret_cast<float4*>(p.out + g * kDL)[quarter * 32 + lane] =
+      make_float4(a.x * winv, a.y * winv, a.z * winv, a.w * winv);
+  if (quarter == 0 && lane == 0) p.lse[g] = any_nan ? __int_as_float(0x7fc00000) : merged_lse(lmax, ws);
+#endif
+}
+
 // Whether this binary carries the sm_90a kernel for the current device: the sm_90 / sm_120
 // cubins hold only the empty stub (a handful of registers), the sm_90a one the real kernel
 // (over a hundred). cudaFuncGetAttributes reports the cubin the driver picked, without a sync,
@@ -683,7 +840,7 @@ bool have_sm90a_code() {
   int c = cached.load(std::memory_order_relaxed);
   if (c >= 0) return c == 1;
   cudaFuncAttributes attr{};
-  const cudaError_t e = cudaFuncGetAttributes(&attr, attention_kernel<0>);
+  const cudaError_t e = cudaFuncGetAttributes(&attr, attention_kernel<0, 0>);
   if (e != cudaSuccess) (void)cudaGetLastError();  // no image for this device: not sticky, clear it
   const bool ok = e == cudaSuccess && attr.binaryVersion == 90 && attr.numRegs >= 64;
   cached.store(ok ? 1 : 0, std::memory_order_relaxed);
@@ -708,6 +865,37 @@ int64_t choose_splits(const VerifyAttentionPlan& plan, int64_t base, int32_t max
     }
   }
   return best;
+}
+
+// cuTensorMapEncodeTiled through the runtime's driver entry point (no -lcuda at link time);
+// null when the driver does not offer it. Looked up once per process.
+PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &q) !=
+            cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      ptr = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+  }();
+  return fn;
+}
+
+// The cache [total_kv, 576] bf16 as a 2-D tensor of 64 x 64 boxes (128 bytes wide, swizzled
+// the way the K-major / MN-major wgmma descriptors read them); rows past total_kv read as zero.
+bool encode_kv_map(CUtensorMap* map, const void* kv, int32_t total_kv) {
+  const PFN_cuTensorMapEncodeTiled_v12000 fn = encode_fn();
+  if (fn == nullptr) return false;
+  const cuuint64_t dims[2] = {cuuint64_t(kDK), cuuint64_t(total_kv)};
+  const cuuint64_t strides[1] = {cuuint64_t(kDK) * 2};
+  const cuuint32_t box[2] = {64, kN};
+  const cuuint32_t elem[2] = {1, 1};
+  return fn(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(kv), dims, strides, box, elem,
+            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 }  // namespace
@@ -780,64 +968,50 @@ kdt_status verify_attention_sm90a(const VerifyAttentionArgs& a, void* stream, vo
   static std::atomic<uint64_t> smem_set{0};
   const uint64_t bit = dev < 64 ? (uint64_t(1) << dev) : 0;
   if (!bit || !(smem_set.load(std::memory_order_relaxed) & bit)) {
-    KDT_CUDA_CHECK(cudaFuncSetAttribute(attention_kernel<0>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes),
-                   fn);
-    KDT_CUDA_CHECK(cudaFuncSetAttribute(attention_kernel<1>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes),
-                   fn);
+    for (const void* k : {reinterpret_cast<const void*>(attention_kernel<0, 0>),
+                          reinterpret_cast<const void*>(attention_kernel<1, 0>),
+                          reinterpret_cast<const void*>(attention_kernel<0, 1>),
+                          reinterpret_cast<const void*>(attention_kernel<1, 1>),
+                          reinterpret_cast<const void*>(attention_kernel<0, 2>),
+                          reinterpret_cast<const void*>(attention_kernel<1, 2>)})
+      KDT_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes), fn);
     smem_set.fetch_or(bit, std::memory_order_relaxed);
   }
-  // KDT_SM90A_VARIANT=1 selects the experimental decomposition (read on every call, so that a
-  // benchmark can compare both in one process; getenv is cheap next to the launch).
-  const char* variant = std::getenv("KDT_SM90A_VARIANT");
-  const bool v1 = variant != nullptr && std::strcmp(variant, "1") == 0;
+  // KDT_SM90A_VARIANT (read on every call, so that a benchmark can compare them in one process;
+  // getenv is cheap next to the launch): bit 0 the consumer decomposition (0 split keys, 1 one
+  // WG scores), bit 1 the loads (0 cp.async by the producer WG, 1 TMA by one thread), bit 2
+  // (with TMA) Q K^T waiting for the tile in three groups of column blocks. 4 and 5 are 0, 1.
+  const char* venv = std::getenv("KDT_SM90A_VARIANT");
+  int variant = kDefaultVariant;
+  if (venv != nullptr && venv[0] >= '0' && venv[0] <= '7' && venv[1] == '\0') variant = venv[0] - '0';
+  if (!(variant & 2)) variant &= 1;
+  CUtensorMap map;
+  std::memset(&map, 0, sizeof map);  // unused by the cp.async kernels
+  if ((variant & 2) && !encode_kv_map(&map, a.kv_cache, a.total_kv))
+    return set_error(KDT_ERR_UNSUPPORTED, fn,
+                     "KDT_SM90A_VARIANT=%d needs cuTensorMapEncodeTiled, which this driver did not give "
+                     "(or it refused the cache's tensor map)",
+                     variant);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const dim3 grid(unsigned(m_tiles), unsigned(prm.splits), unsigned(a.bs));
-  if (v1)
-    attention_kernel<1><<<grid, kThreads, kSmemBytes, s>>>(prm);
-  else
-    attention_kernel<0><<<grid, kThreads, kSmemBytes, s>>>(prm);
+  switch (variant) {
+    case 1: attention_kernel<1, 0><<<grid, kThreads, kSmemBytes, s>>>(prm, map); break;
+    case 2: attention_kernel<0, 1><<<grid, kThreads, kSmemBytes, s>>>(prm, map); break;
+    case 3: attention_kernel<1, 1><<<grid, kThreads, kSmemBytes, s>>>(prm, map); break;
+    case 6: attention_kernel<0, 2><<<grid, kThreads, kSmemBytes, s>>>(prm, map); break;
+    case 7: attention_kernel<1, 2><<<grid, kThreads, kSmemBytes, s>>>(prm, map); break;
+    default: attention_kernel<0, 0><<<grid, kThreads, kSmemBytes, s>>>(prm, map); break;
+  }
   KDT_CUDA_CHECK(cudaGetLastError(), fn);
   if (prm.splits > 1) {
     const int64_t all_rows = int64_t(a.total_q) * a.num_heads;
-    merge_kernel<<<unsigned((all_rows + 7) / 8), 256, 0, s>>>(prm);
+    if (prm.splits > kWideWarps && all_rows <= 0x7fffffff)
+      merge_wide_kernel<<<dim3(unsigned(all_rows), 4), 32 * kWideWarps, 0, s>>>(prm);
+    else
+      merge_kernel<<<unsigned((all_rows + 7) / 8), 256, 0, s>>>(prm);
     KDT_CUDA_CHECK(cudaGetLastError(), fn);
   }
   return KDT_OK;
 }
 
 }  // namespace kdt
-
-// Temporary internal entry (not in kdtree.h): the sm90a path alone, with kdt_verify_attention's
-// arguments, for bench/sm90a_attention.py until the dispatcher offers a forced path "sm90a".
-// CUDA backend only; KDT_ERR_UNSUPPORTED when the path cannot run here.
-extern "C" KDT_API kdt_status kdt_verify_attention_sm90a_debug(
-    kdt_backend backend, void* stream, kdt_dtype dtype, int32_t bs, int32_t num_heads,
-    int32_t d_latent, int32_t d_rope, int32_t total_q, int32_t total_kv, int32_t max_tree,
-    int32_t max_kv, const int32_t* q_indptr, const int32_t* kv_indptr, const void* q_lat,
-    const void* q_pe, const void* kv_cache, const uint32_t* visibility, int32_t vis_words,
-    float softmax_scale, float* out, float* lse, void* workspace, size_t workspace_bytes) {
-  constexpr const char* fn = "kdt_verify_attention_sm90a_debug";
-  kdt::clear_error();
-  KDT_CHECK_ARG(backend == KDT_BACKEND_CUDA, fn, "backend = %d: only KDT_BACKEND_CUDA", int(backend));
-  KDT_CHECK_ARG(bs >= 1 && num_heads >= 1 && total_q >= 1 && max_tree >= 1 && max_kv >= 1, fn,
-                "bs %d, num_heads %d, total_q %d, max_tree %d, max_kv %d must all be >= 1", bs,
-                num_heads, total_q, max_tree, max_kv);
-  KDT_CHECK_ARG(total_kv >= total_q, fn, "total_kv = %d < total_q = %d", total_kv, total_q);
-  KDT_CHECK_ARG(vis_words >= (max_tree + 31) / 32, fn, "vis_words = %d < ceil(max_tree / 32)",
-                vis_words);
-  KDT_CHECK_PTR(q_indptr, fn);
-  KDT_CHECK_PTR(kv_indptr, fn);
-  KDT_CHECK_PTR(q_lat, fn);
-  KDT_CHECK_PTR(q_pe, fn);
-  KDT_CHECK_PTR(kv_cache, fn);
-  KDT_CHECK_PTR(visibility, fn);
-  KDT_CHECK_PTR(out, fn);
-  KDT_CHECK_PTR(lse, fn);
-  kdt::VerifyAttentionArgs a{dtype,     bs,        num_heads,     d_latent, d_rope,
-                             total_q,   total_kv,  max_tree,      max_kv,   q_indptr,
-                             kv_indptr, q_lat,     q_pe,          kv_cache, visibility,
-                             vis_words, softmax_scale, out,       lse};
-  return kdt::verify_attention_sm90a(a, stream, workspace, workspace_bytes);
-}
