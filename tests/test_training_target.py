@@ -16,6 +16,7 @@ Seeds of the weight checks are fresh per run (printed).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -106,16 +107,20 @@ def test_native_engine_equals_the_torch_target(random_target, device, seed):
     assert _rel(native, torch_logits[0]) < 1e-4, seed
 
 
-def test_a_model_that_is_not_the_reference_differs(random_target):
-    # The comparison can fail: dropping the router's correction bias changes the logits.
+def test_a_model_that_is_not_the_reference_differs(random_target, seed):
+    # The comparison can fail: a correction bias that sends every token to experts 0 and 1,
+    # or routed weights without routed_scaling_factor, change the logits.
     folder, weights, tokens, ref_logits = random_target
     w = dict(weights)
     for k in w:
         if k.endswith("e_score_correction_bias"):
-            w[k] = np.zeros_like(w[k])
+            w[k] = np.array([10.0, 10.0] + [0.0] * (len(w[k]) - 2), np.float32)
+    unscaled = dataclasses.replace(TOY, routed_scaling_factor=1.0)
     with torch.no_grad():
-        logits, _ = from_engine_weights(TOY, w)(torch.as_tensor(tokens)[None])
-    assert _rel(logits[0], ref_logits) > 1e-3
+        biased, _ = from_engine_weights(TOY, w)(torch.as_tensor(tokens)[None])
+        plain, _ = from_engine_weights(unscaled, weights)(torch.as_tensor(tokens)[None])
+    assert _rel(biased[0], ref_logits) > 1e-3, seed
+    assert _rel(plain[0], ref_logits) > 1e-3, seed
 
 
 # ---------------------------------------------------------------- corpus
@@ -174,6 +179,7 @@ def test_toy_run_learns_and_records_everything(toy_run):
                                          "unigram_heldout_loss")}))
     assert tg["steps"] == STEPS and tg["tokens_seen"] == STEPS * p["batch"] * p["seq_len"]
     assert tg["last_loss"] < tg["first_loss"] - 0.5
+    assert [c["step"] for c in tg["heldout_curve"]] == [STEPS // 4, STEPS // 2, 3 * STEPS // 4]
     assert tg["heldout_loss"] < tg["unigram_heldout_loss"] - 0.2
     c = C.load_corpus(corpus)
     assert rec["corpus"]["digest"] == c.digest and rec["corpus"]["root"] == str(corpus)

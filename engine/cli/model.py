@@ -93,7 +93,14 @@ def _train(args) -> int:
                                   f"skipped: {tau['skipped']}"))
     print(f"seconds           {json.dumps(sec)}")
     print(f"wrote             {Path(args.out).resolve()} (train.json has the record)")
-    return 0
+    gap = tg["unigram_heldout_loss"] - tg["heldout_loss"]
+    print(f"{'PASS' if gap > 0 else 'FAIL'}: held-out loss {tg['heldout_loss']:.4f} is "
+          f"{'below' if gap > 0 else 'NOT below'} the unigram model's "
+          f"{tg['unigram_heldout_loss']:.4f} by {gap:.4f} nats/token")
+    if "tau" in tau:
+        print(f"{'PASS' if tau['same_tokens'] else 'FAIL'}: DDTree tokens "
+              f"{'==' if tau['same_tokens'] else '!='} AR tokens on {tau['prompts']} held-out prompts")
+    return 0 if gap > 0 and tau.get("same_tokens", True) else 1
 
 
 if __name__ == "__main__":

@@ -57,8 +57,8 @@ _SMALL_MODEL = {
 _TOY_MODEL = dict(_SMALL_MODEL, **{
     "vocab_size": 384, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
     "num_hidden_layers": 2, "num_attention_heads": 2, "q_lora_rank": 32, "kv_lora_rank": 32,
-    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4,
-    "n_group": 2, "topk_group": 1, "max_position_embeddings": 128,
+    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8,
+    "n_group": 4, "topk_group": 2, "max_position_embeddings": 128,
     "rope_scaling": {"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64,
                      "beta_fast": 32, "beta_slow": 1, "mscale": 0.9, "mscale_all_dim": 1.0},
 })
@@ -67,15 +67,19 @@ PRESETS = {
     "small": {
         "model": _SMALL_MODEL, "seq_len": 512, "batch": 64, "lr": 2e-3, "min_lr_ratio": 0.1,
         "warmup": 0.03, "weight_decay": 0.1, "betas": (0.9, 0.95), "grad_clip": 1.0,
-        "router_balance_rate": 1e-3, "eval_tokens": 1 << 20, "minutes": 3.0, "target_share": 0.62,
-        "drafter": {"sequences": 1536, "held_out": 64, "prompt_tokens": (16, 128), "new_tokens": 96,
-                    "batch": 256, "lr": 2e-3, "steps": 1_000_000, "data_batch": 64},
+        "router_balance_rate": 1e-3, "eval_tokens": 1 << 20, "eval_tokens_cpu": 1 << 15,
+        "curve_tokens": 1 << 16,
+        "minutes": 3.0, "target_share": 0.62, "cpu_threads": None,
+        "drafter": {"sequences": 3072, "held_out": 64, "prompt_tokens": (16, 128), "new_tokens": 96,
+                    "batch": 256, "lr": 2e-3, "steps": 1_000_000, "data_batch": 128},
         "tau": {"prompts": 8, "prompt_tokens": 64, "new_tokens": 64, "budget": 63},
     },
     "toy": {
         "model": _TOY_MODEL, "seq_len": 64, "batch": 8, "lr": 3e-3, "min_lr_ratio": 0.1,
         "warmup": 0.05, "weight_decay": 0.1, "betas": (0.9, 0.95), "grad_clip": 1.0,
-        "router_balance_rate": 1e-3, "eval_tokens": 8192, "minutes": 0.5, "target_share": 0.6,
+        "router_balance_rate": 1e-3, "eval_tokens": 8192, "eval_tokens_cpu": 8192,
+        "curve_tokens": 2048, "minutes": 0.5,
+        "target_share": 0.6,
         "cpu_threads": 1,  # matrices of tens of columns: a second thread only spins
         "drafter": {"sequences": 12, "held_out": 4, "prompt_tokens": (8, 16), "new_tokens": 12,
                     "batch": 16, "lr": 3e-3, "steps": 20, "data_batch": 16},
@@ -84,10 +88,23 @@ PRESETS = {
 }
 
 
-def preset(name: str) -> dict:
+def preset(name: str, overrides: dict | None = None) -> dict:
+    """PRESETS[name], with `overrides` merged in (one level deep for the "model", "drafter" and
+    "tau" sections; unknown keys are an error): for measurements, never for the cache."""
     if name not in PRESETS:
         raise ValueError(f"config {name!r}: expected one of {sorted(PRESETS)}")
-    return PRESETS[name]
+    p = {k: (dict(v) if isinstance(v, dict) else v) for k, v in PRESETS[name].items()}
+    for k, v in (overrides or {}).items():
+        if k not in p:
+            raise ValueError(f"preset override {k!r}: not a key of the preset ({sorted(p)})")
+        if isinstance(p[k], dict):
+            unknown = sorted(set(v) - set(p[k]))
+            if unknown:
+                raise ValueError(f"preset override {k}: unknown keys {unknown}")
+            p[k].update(v)
+        else:
+            p[k] = v
+    return p
 
 
 def _stderr(msg: str) -> None:
@@ -96,12 +113,13 @@ def _stderr(msg: str) -> None:
 
 def train_code_model(out_dir, device: str = "cpu", corpus=None, minutes: float | None = None,
                      seed: int = 0, config: str = "small", steps: int | None = None,
-                     log=None, progress: bool | None = None) -> dict:
-    """Runs steps 1-5 of the module docstring into out_dir; returns the train.json record."""
+                     log=None, progress: bool | None = None, overrides: dict | None = None) -> dict:
+    """Runs steps 1-5 of the module docstring into out_dir; returns the train.json record.
+    overrides: changes to the preset (preset()), recorded in train.json."""
     import torch
 
     log = log or _stderr
-    p = preset(config)
+    p = preset(config, overrides)
     minutes = float(p["minutes"] if minutes is None else minutes)
     if not minutes > 0:
         raise ValueError(f"minutes = {minutes}: need a positive time budget")
@@ -118,12 +136,14 @@ def train_code_model(out_dir, device: str = "cpu", corpus=None, minutes: float |
     if dev.type == "cpu" and p.get("cpu_threads"):
         torch.set_num_threads(p["cpu_threads"])
     try:
-        return _run(out, p, dev, corpus, minutes, seed, config, steps, log, progress, t_start)
+        return _run(out, p, dev, corpus, minutes, seed, config, steps, log, progress, t_start,
+                    overrides)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run(out, p, dev, corpus, minutes, seed, config, steps, log, progress, t_start) -> dict:
+def _run(out, p, dev, corpus, minutes, seed, config, steps, log, progress, t_start,
+         overrides) -> dict:
     import torch
 
     from engine.drafters.block import init_block_drafter
@@ -155,7 +175,7 @@ def _run(out, p, dev, corpus, minutes, seed, config, steps, log, progress, t_sta
     net = TargetNet(cfg)
     init_parameters(net, seed)
     net.to(dev)
-    fit = _fit(net, train_ids, p, dev, seed, t_start + p["target_share"] * budget, steps, log,
+    fit = _fit(net, train_ids, held_ids, p, dev, seed, t_start + p["target_share"] * budget, steps, log,
                progress)
     net.eval()
     t = time.monotonic()
@@ -199,7 +219,8 @@ def _run(out, p, dev, corpus, minutes, seed, config, steps, log, progress, t_sta
         log(f"tau: skipped ({tau['skipped']})")
 
     record = {
-        "schema": SCHEMA, "config_name": config, "seed": seed, "minutes": minutes,
+        "schema": SCHEMA, "config_name": config, "overrides": overrides or None,
+        "seed": seed, "minutes": minutes,
         "steps_limit": steps, "device": str(dev), "device_name": _device_name(dev),
         "python": platform.python_version(), "torch": torch.__version__,
         "parameters": n_params, "active_parameters": n_active,
@@ -247,9 +268,11 @@ def _lr_factor(frac: float, p: dict) -> float:
     return p["min_lr_ratio"] + (1 - p["min_lr_ratio"]) * 0.5 * (1 + math.cos(math.pi * x))
 
 
-def _fit(net, train_ids: np.ndarray, p: dict, dev, seed: int, deadline: float,
-         steps: int | None, log, progress) -> dict:
-    """The training loop: random windows, AdamW, until `steps` or `deadline`."""
+def _fit(net, train_ids: np.ndarray, held_ids: np.ndarray, p: dict, dev, seed: int,
+         deadline: float, steps: int | None, log, progress) -> dict:
+    """The training loop: random windows, AdamW, until `steps` or `deadline`. At a quarter, half
+    and three quarters of the budget it measures the held-out loss on a sample (`curve`, for
+    the record only: nothing is selected by it), outside the throughput figure."""
     import torch
     import torch.nn.functional as F
 
@@ -271,7 +294,8 @@ def _fit(net, train_ids: np.ndarray, p: dict, dev, seed: int, deadline: float,
                 else contextlib.nullcontext())
     t0 = time.monotonic()
     span = max(deadline - t0, 1e-6)
-    step, first, recent, shown = 0, None, [], None
+    step, first, recent = 0, None, []
+    curve, marks, eval_s = [], [0.25, 0.5, 0.75], 0.0
     loss_sum = torch.zeros((), device=dev)
     net.train()
     with Progress("target", span, log=log, rich=progress) as bar:
@@ -280,6 +304,16 @@ def _fit(net, train_ids: np.ndarray, p: dict, dev, seed: int, deadline: float,
             frac = max((now - t0) / span, step / steps if steps else 0.0)
             if frac >= 1.0 or (steps is not None and step >= steps):
                 break
+            if marks and frac >= marks[0]:
+                marks.pop(0)
+                te = time.monotonic()
+                net.eval()
+                cap = p["curve_tokens"] if dev.type == "cuda" else \
+                    min(p["curve_tokens"], p["eval_tokens_cpu"])
+                ce, _ = _window_losses(net, held_ids, min(T, len(held_ids) - 1), cap, dev)
+                net.train()
+                curve.append({"step": step, "heldout_loss": round(float(ce.mean()), 4)})
+                eval_s += time.monotonic() - te
             for g in opt.param_groups:
                 g["lr"] = p["lr"] * _lr_factor(frac, p)
             starts = torch.randint(0, len(ids) - T - 1, (B,), generator=gen, device=dev)
@@ -300,16 +334,19 @@ def _fit(net, train_ids: np.ndarray, p: dict, dev, seed: int, deadline: float,
                 loss_sum.zero_()
                 first = mean if first is None else first
                 recent = (recent + [mean])[-5:]
-                el = time.monotonic() - t0
-                shown = {"step": step, "loss": mean, "tok/s": step * B * T / max(el, 1e-9)}
-                bar.update(frac, **shown)
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    seconds = time.monotonic() - t0
-    tokens = step * B * T
+                el = time.monotonic() - t0 - eval_s
+                bar.update(frac, step=step, loss=mean, **{"tok/s": int(step * B * T / max(el, 1e-9))})
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        seconds = time.monotonic() - t0
+        tokens = step * B * T
+        rate = tokens / max(seconds - eval_s, 1e-9)
+        bar.update(1.0, step=step, loss=recent[-1] if recent else float("nan"),
+                   **{"tok/s": int(rate)})
     return {"steps": step, "tokens_seen": tokens, "epochs": round(tokens / len(train_ids), 3),
-            "seconds": round(seconds, 2), "tokens_per_second": round(tokens / max(seconds, 1e-9), 1),
-            "first_loss": first, "last_loss": float(np.mean(recent)) if recent else None}
+            "seconds": round(seconds, 2), "tokens_per_second": round(rate, 1),
+            "curve_eval_seconds": round(eval_s, 2), "first_loss": first,
+            "last_loss": float(np.mean(recent)) if recent else None, "heldout_curve": curve}
 
 
 def _window_losses(net, ids: np.ndarray, T: int, max_tokens: int, dev, batch: int = 16):
@@ -335,8 +372,9 @@ def _window_losses(net, ids: np.ndarray, T: int, max_tokens: int, dev, batch: in
 
 def _evaluate(net, train_ids: np.ndarray, held_ids: np.ndarray, p: dict, dev) -> dict:
     T = min(p["seq_len"], len(held_ids) - 1)
-    tr_ce, _ = _window_losses(net, train_ids, T, p["eval_tokens"], dev)
-    ho_ce, ho_tgt = _window_losses(net, held_ids, T, p["eval_tokens"], dev)
+    cap = p["eval_tokens"] if dev.type == "cuda" else p["eval_tokens_cpu"]
+    tr_ce, _ = _window_losses(net, train_ids, T, cap, dev)
+    ho_ce, ho_tgt = _window_losses(net, held_ids, T, cap, dev)
     V = net.cfg.vocab_size
     counts = np.bincount(train_ids, minlength=V).astype(np.float64) + 1.0  # add-one
     unigram = -np.log(counts[ho_tgt] / counts.sum())

@@ -156,8 +156,9 @@ class MoE(nn.Module):
         if cfg.num_experts_per_tok > 1 and cfg.norm_topk_prob:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
         w = w * cfg.routed_scaling_factor
-        if self.training:
-            self.load = torch.bincount(ids.flatten(), minlength=E).to(self.load.dtype)
+        if self.training:  # (not bincount: on CUDA it synchronises to size its output)
+            self.load = torch.zeros(E, device=x.device).scatter_add_(
+                0, ids.flatten(), torch.ones(ids.numel(), device=x.device))
         return torch.zeros_like(scores).scatter_(1, ids, w)
 
     def forward(self, x):
