@@ -122,9 +122,10 @@ def cut_prompts(texts: list[str], tok, n: int, prompt_tokens, seed: int) -> list
     return out
 
 
-def heldout_prompts(folder, n: int, prompt_tokens: int, seed: int) -> list[list[int]]:
-    """n prompts of prompt_tokens ids cut from the held-out files of the target in `folder`
-    (its train.json names them and their sha256; its tokenizer.json encodes them).
+def heldout_prompts(folder, n: int, prompt_tokens, seed: int) -> list[list[int]]:
+    """n prompts of prompt_tokens ids (an int, or (lo, hi) for a length per prompt) cut from the
+    held-out files of the target in `folder` (its train.json names them and their sha256; its
+    tokenizer.json encodes them), as cut_prompts cuts them; deterministic in seed.
 
     The files are read from the corpus root the record names (the host's stdlib by default); a
     missing or changed file is an error naming it (prompts would not be held out any more)."""

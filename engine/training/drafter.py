@@ -74,7 +74,7 @@ def causal_visibility(n: int, words: int) -> np.ndarray:
 
 
 def collect_native(weights_dir, n_seqs: int, new_tokens: int, seed: int, device: str = "cpu",
-                   batch: int = 32, prompts=None) -> list[Sequence]:
+                   batch: int = 32, prompts=None, deadline: float | None = None) -> list[Sequence]:
     """collect() on the native engine: `batch` prompts decoded together (AR), then one causal
     forward over the finished sequences for the final-norm hidden states (not committed, so the
     slots stay empty)."""
@@ -86,6 +86,8 @@ def collect_native(weights_dir, n_seqs: int, new_tokens: int, seed: int, device:
         prompts = _prompts(eng.vocab_size, n_seqs, seed, prompts)
         out = []
         for i in range(0, len(prompts), batch):
+            if deadline is not None and i > 0 and time.monotonic() >= deadline:
+                break  # the time budget's data share is spent: train on what there is
             chunk = prompts[i:i + batch]
             gen = eng.generate(chunk, new_tokens, mode="ar").tokens
             seqs = [np.concatenate([p, g]).astype(np.int64) for p, g in zip(chunk, gen)]
@@ -102,8 +104,8 @@ def collect_native(weights_dir, n_seqs: int, new_tokens: int, seed: int, device:
 
 
 def collect_any(weights_dir, n_seqs: int, new_tokens: int, seed: int, device: str,
-                data: str = "auto", log=None, prompts=None,
-                batch: int = 32) -> tuple[list[Sequence], str]:
+                data: str = "auto", log=None, prompts=None, batch: int = 32,
+                deadline: float | None = None) -> tuple[list[Sequence], str]:
     """(sequences, source): data "native", "reference" or "auto" (native unless libkdtree is
     missing). The native engine runs on CUDA when `device` is a CUDA device and the library
     has the CUDA backend, else on its CPU backend. source: "native-cpu", "native-cuda" or
@@ -124,8 +126,8 @@ def collect_any(weights_dir, n_seqs: int, new_tokens: int, seed: int, device: st
         else:
             want_cuda = str(device).startswith("cuda")
             on = "cuda" if want_cuda and lib.has_cuda and lib.cuda_device_count() > 0 else "cpu"
-            return (collect_native(weights_dir, n_seqs, new_tokens, seed, on, batch, prompts),
-                    f"native-{on}")
+            return (collect_native(weights_dir, n_seqs, new_tokens, seed, on, batch, prompts,
+                                   deadline), f"native-{on}")
     return collect(Model.from_dir(weights_dir), n_seqs, new_tokens, seed, prompts), "reference"
 
 
@@ -207,9 +209,11 @@ def _train(weights_dir, steps, sequences, new_tokens, batch, lr, seed, device, c
         if held_out_prompts is None:  # the last eighth of the given prompts, never trained on
             cut = max(1, len(prompts) // 8)
             prompts, held_out_prompts = prompts[:-cut], prompts[-cut:]
-    # Held-out sequences come from other prompts: accuracy on rounds never trained on.
+    # Held-out sequences come from other prompts: accuracy on rounds never trained on. With a
+    # deadline, the native engine's data collection stops at 40% of the time left.
+    data_deadline = None if deadline is None else t0 + 0.4 * max(deadline - t0, 0.0)
     train_data, source = collect_any(weights_dir, sequences, new_tokens, seed, device, data, log,
-                                     prompts, data_batch)
+                                     prompts, data_batch, data_deadline)
     held_out, _ = collect_any(weights_dir, max(4, sequences // 8), new_tokens, seed + 1, device,
                               source.split("-")[0], log, held_out_prompts, data_batch)
     data_seconds = time.monotonic() - t0
@@ -233,7 +237,7 @@ def _train(weights_dir, steps, sequences, new_tokens, batch, lr, seed, device, c
     decay = torch.tensor([math.exp(-d / 7.0) for d in range(cfg.depth)], device=device)
     rng = np.random.default_rng(seed + 2)
     losses = []
-    done = 0
+    done, shown = 0, time.monotonic()
     for step in range(steps):
         if deadline is not None and step > 0 and time.monotonic() >= deadline:
             log(f"step {step:5d}: the time budget is spent; stopping")
@@ -255,7 +259,9 @@ def _train(weights_dir, steps, sequences, new_tokens, batch, lr, seed, device, c
         sched.step()
         losses.append(float(loss.detach()))
         done = step + 1
-        if step % max(1, steps // 10) == 0 or step == steps - 1:
+        if step % max(1, steps // 10) == 0 or step == steps - 1 or \
+                (deadline is not None and time.monotonic() - shown >= 10.0):
+            shown = time.monotonic()
             log(f"step {step:5d}  loss {np.mean(losses[-50:]):.4f}")
     acc = depth_accuracy(net.eval(), held_out, cfg, np.random.default_rng(seed + 3), device=device)
     record = {"steps": done, "seed": seed, "sequences": len(train_data), "new_tokens": new_tokens,
@@ -267,8 +273,8 @@ def _train(weights_dir, steps, sequences, new_tokens, batch, lr, seed, device, c
               "held_out_top1_by_depth": [round(float(a), 4) for a in acc],
               "held_out_top1_by_depth_before": [round(float(a), 4) for a in acc_before]}
     if prompts is not None:
-        record.update(prompts=prompt_source or "given", held_out_sequences=len(held_out),
-                      steps_planned=steps)
+        record.update(prompts=prompt_source or "given", prompts_offered=len(prompts),
+                      held_out_sequences=len(held_out), steps_planned=steps)
     new_cfg = dataclasses.replace(cfg, trained_steps=cfg.trained_steps + done,
                                   target_sha256=BD.target_sha256(weights_dir), training=record)
     paths = BD.save(weights_dir, new_cfg, net.state_numpy())
