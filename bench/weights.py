@@ -263,7 +263,8 @@ def code_small_record(folder) -> dict:
             "unigram_heldout_loss": tg["unigram_heldout_loss"],
             "drafter_steps": rec["drafter"]["steps"],
             "drafter_held_out_top1_by_depth": rec["drafter"]["held_out_top1_by_depth"],
-            "tau_estimate": rec["tau"].get("tau"), "seconds": rec["seconds"]}
+            "tau_estimate": rec["tau"].get("tau"), "tau_budget": rec["tau"].get("budget"),
+            "tau_sample": rec["tau"].get("sample"), "seconds": rec["seconds"]}
 
 
 def _torch_cuda() -> bool:

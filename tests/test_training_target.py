@@ -27,7 +27,7 @@ import torch
 from engine.reference import model as M
 from engine.training import corpus as C
 from engine.training.code_model import PRESETS
-from engine.training.target import TargetNet, engine_weights, export, from_engine_weights
+from engine.training.target import engine_weights, export, from_engine_weights
 
 TOY = M.ModelConfig.from_dict(PRESETS["toy"]["model"], "toy")
 STEPS = 60
@@ -110,11 +110,11 @@ def test_native_engine_equals_the_torch_target(random_target, device, seed):
 def test_a_model_that_is_not_the_reference_differs(random_target, seed):
     # The comparison can fail: a correction bias that sends every token to experts 0 and 1,
     # or routed weights without routed_scaling_factor, change the logits.
-    folder, weights, tokens, ref_logits = random_target
+    _, weights, tokens, ref_logits = random_target
     w = dict(weights)
-    for k in w:
+    for k, v in weights.items():
         if k.endswith("e_score_correction_bias"):
-            w[k] = np.array([10.0, 10.0] + [0.0] * (len(w[k]) - 2), np.float32)
+            w[k] = np.array([10.0, 10.0] + [0.0] * (len(v) - 2), np.float32)
     unscaled = dataclasses.replace(TOY, routed_scaling_factor=1.0)
     with torch.no_grad():
         biased, _ = from_engine_weights(TOY, w)(torch.as_tensor(tokens)[None])
@@ -148,7 +148,7 @@ def test_corpus_split_by_file_and_digest(tmp_path):
     assert all(C.is_heldout(p) for p in c.heldout) and not any(C.is_heldout(p) for p in c.train)
     assert c.skipped_not_utf8 == ["bad.py"] and "pkg/site-packages/x.py" not in c.file_sha256
     assert C.load_corpus(root).digest == c.digest
-    first = sorted(c.train)[0]
+    first = min(c.train)
     (root / first).write_text((root / first).read_text() + "\n# changed\n")
     assert C.load_corpus(root).digest != c.digest
     only_train = tmp_path / "t"
@@ -242,7 +242,7 @@ def test_heldout_prompts_refuse_a_changed_file(toy_run, tmp_path):
     rec["corpus"]["root"] = str(moved)
     (copy / C.RECORD_FILE).write_text(json.dumps(rec))
     assert C.heldout_prompts(copy, 2, 8, seed=0) == C.heldout_prompts(folder, 2, 8, seed=0)
-    name = sorted(rec["corpus"]["split"]["heldout_sha256"])[0]
+    name = min(rec["corpus"]["split"]["heldout_sha256"])
     (moved / name).write_text("x = 1\n")
     with pytest.raises(ValueError, match=f"held-out file .*{name} changed since training"):
         C.heldout_prompts(copy, 2, 8, seed=0)

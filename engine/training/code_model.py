@@ -54,14 +54,15 @@ _SMALL_MODEL = {
 
 # The toy keeps every feature of the format (q_lora, YaRN with mscale != mscale_all_dim, MoE
 # groups, a shared expert, a dense first layer) at a size that trains in seconds on a CPU.
-_TOY_MODEL = dict(_SMALL_MODEL, **{
+_TOY_MODEL = {
+    **_SMALL_MODEL,
     "vocab_size": 384, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
     "num_hidden_layers": 2, "num_attention_heads": 2, "q_lora_rank": 32, "kv_lora_rank": 32,
     "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8,
     "n_group": 4, "topk_group": 2, "max_position_embeddings": 128,
     "rope_scaling": {"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64,
                      "beta_fast": 32, "beta_slow": 1, "mscale": 0.9, "mscale_all_dim": 1.0},
-})
+}
 
 PRESETS = {
     "small": {
@@ -225,8 +226,8 @@ def _run(out, p, dev, corpus, minutes, seed, config, steps, log, progress, t_sta
         "python": platform.python_version(), "torch": torch.__version__,
         "parameters": n_params, "active_parameters": n_active,
         "corpus": corp.record(),
-        "tokenizer": {"vocab_size": tok.vocab_size, "train_tokens": int(len(train_ids)),
-                      "heldout_tokens": int(len(held_ids)),
+        "tokenizer": {"vocab_size": tok.vocab_size, "train_tokens": len(train_ids),
+                      "heldout_tokens": len(held_ids),
                       "bytes_per_token": round(sum(len(s.encode()) for s in train_texts)
                                                / max(len(train_ids), 1), 4)},
         "training": {k: (list(v) if isinstance(v, tuple) else v) for k, v in p.items()
@@ -380,7 +381,7 @@ def _evaluate(net, train_ids: np.ndarray, held_ids: np.ndarray, p: dict, dev) ->
     unigram = -np.log(counts[ho_tgt] / counts.sum())
     return {"train_loss": float(tr_ce.mean()), "heldout_loss": float(ho_ce.mean()),
             "unigram_heldout_loss": float(unigram.mean()), "eval_window": T,
-            "train_eval_tokens": int(len(tr_ce)), "heldout_eval_tokens": int(len(ho_ce))}
+            "train_eval_tokens": len(tr_ce), "heldout_eval_tokens": len(ho_ce)}
 
 
 def estimate_tau(folder, prompts: list[list[int]], new_tokens: int, budget: int, device: str,
