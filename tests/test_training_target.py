@@ -27,7 +27,7 @@ import torch
 from engine.reference import model as M
 from engine.training import corpus as C
 from engine.training.code_model import PRESETS
-from engine.training.target import engine_weights, export, from_engine_weights
+from engine.training.target import TargetNet, engine_weights, export, from_engine_weights
 
 TOY = M.ModelConfig.from_dict(PRESETS["toy"]["model"], "toy")
 STEPS = 60
@@ -95,6 +95,16 @@ def test_torch_target_equals_the_reference_and_round_trips(random_target, seed):
     assert set(loaded) == set(weights)
     assert all(np.array_equal(loaded[k], weights[k].astype(np.float64)) for k in weights)
     assert all(np.array_equal(v, weights[k]) for k, v in engine_weights(net.float()).items())
+
+
+def test_dropout_is_training_only(random_target, seed):
+    _, weights, tokens, ref_logits = random_target
+    net = TargetNet(TOY, dropout=0.5)
+    net.load_state_dict(from_engine_weights(TOY, weights).state_dict())
+    x = torch.as_tensor(tokens)[None]
+    with torch.no_grad():
+        assert _rel(net.eval()(x)[0][0], ref_logits) < 1e-4, seed
+        assert _rel(net.train()(x)[0][0], ref_logits) > 1e-2, seed
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])

@@ -67,6 +67,7 @@ _TOY_MODEL = {
 PRESETS = {
     "small": {
         "model": _SMALL_MODEL, "seq_len": 512, "batch": 64, "lr": 2e-3, "min_lr_ratio": 0.1,
+        "dropout": 0.1,  # a 12-30 MB corpus is seen 5-15 times in the budget
         "warmup": 0.03, "weight_decay": 0.1, "betas": (0.9, 0.95), "grad_clip": 1.0,
         "router_balance_rate": 1e-3, "eval_tokens": 1 << 20, "eval_tokens_cpu": 1 << 15,
         "curve_tokens": 1 << 16,
@@ -77,6 +78,7 @@ PRESETS = {
     },
     "toy": {
         "model": _TOY_MODEL, "seq_len": 64, "batch": 8, "lr": 3e-3, "min_lr_ratio": 0.1,
+        "dropout": 0.0,
         "warmup": 0.05, "weight_decay": 0.1, "betas": (0.9, 0.95), "grad_clip": 1.0,
         "router_balance_rate": 1e-3, "eval_tokens": 8192, "eval_tokens_cpu": 8192,
         "curve_tokens": 2048, "minutes": 0.5,
@@ -173,7 +175,7 @@ def _run(out, p, dev, corpus, minutes, seed, config, steps, log, progress, t_sta
 
     # 2. target
     cfg = ModelConfig.from_dict(p["model"], f"preset {config}")
-    net = TargetNet(cfg)
+    net = TargetNet(cfg, p["dropout"])
     init_parameters(net, seed)
     net.to(dev)
     fit = _fit(net, train_ids, held_ids, p, dev, seed, t_start + p["target_share"] * budget, steps, log,

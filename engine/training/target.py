@@ -176,36 +176,39 @@ class MoE(nn.Module):
 
 
 class Layer(nn.Module):
-    def __init__(self, cfg: ModelConfig, i: int):
+    def __init__(self, cfg: ModelConfig, i: int, dropout: float = 0.0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(i) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.drop = nn.Dropout(dropout)  # training only: identity in eval mode and in the export
 
     def forward(self, x, cos, sin):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.drop(self.self_attn(self.input_layernorm(x), cos, sin))
+        return x + self.drop(self.mlp(self.post_attention_layernorm(x)))
 
 
 class Body(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, dropout: float = 0.0):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(Layer(cfg, i, dropout) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class TargetNet(nn.Module):
     """The target for training. forward(tokens [B, T]) -> (logits [B, T, V], hidden [B, T, D]),
-    positions 0..T-1, causal; hidden is the final-norm output (what the drafters read)."""
+    positions 0..T-1, causal; hidden is the final-norm output (what the drafters read).
+    dropout: on each residual branch while training (several epochs over a small corpus); in
+    eval mode (and so in the exported function) there is none."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, dropout: float = 0.0):
         super().__init__()
         if cfg.scoring_func != "sigmoid" or cfg.topk_method != "noaux_tc":
             raise ValueError("TargetNet: only the sigmoid / noaux_tc router (the reference's)")
         self.cfg = cfg
-        self.model = Body(cfg)
+        self.model = Body(cfg, dropout)
         self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size)
         cos, sin = rope_cos_sin(cfg, np.arange(cfg.max_position_embeddings))
         self.register_buffer("rope_cos", torch.tensor(cos, dtype=torch.float32), persistent=False)
