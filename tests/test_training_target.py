@@ -27,7 +27,8 @@ import torch
 from engine.reference import model as M
 from engine.training import corpus as C
 from engine.training.code_model import PRESETS
-from engine.training.target import TargetNet, engine_weights, export, from_engine_weights
+from engine.training.target import (TargetNet, engine_weights, export, from_engine_weights,
+                                    init_parameters)
 
 TOY = M.ModelConfig.from_dict(PRESETS["toy"]["model"], "toy")
 STEPS = 60
@@ -188,6 +189,7 @@ def test_toy_run_learns_and_records_everything(toy_run):
     print(json.dumps({k: tg[k] for k in ("first_loss", "last_loss", "train_loss", "heldout_loss",
                                          "unigram_heldout_loss")}))
     assert tg["steps"] == STEPS and tg["tokens_seen"] == STEPS * p["batch"] * p["seq_len"]
+    assert tg["stopped_by"] == "steps"
     assert tg["last_loss"] < tg["first_loss"] - 0.5
     assert [c["step"] for c in tg["heldout_curve"]] == [STEPS // 4, STEPS // 2, 3 * STEPS // 4]
     assert tg["heldout_loss"] < tg["unigram_heldout_loss"] - 0.2
@@ -284,3 +286,21 @@ def test_cache_reuses_a_complete_folder_and_retrains_a_damaged_one(toy_run):
     assert bw.code_small_key(True, 5.0, 0, corpus, STEPS)[0] == folder.name
     assert bw.code_small_key(True, 6.0, 0, corpus, STEPS)[0] != folder.name
     assert bw.code_small_key(True, 5.0, 1, corpus, STEPS)[0] != folder.name
+
+
+def test_the_loop_stops_at_max_epochs():
+    from engine.training.code_model import _fit, preset
+
+    torch.set_num_threads(1)
+    p = preset("toy", {"max_epochs": 0.5})
+    rng = np.random.default_rng(0)
+    train_ids = rng.integers(0, TOY.vocab_size, 5000).astype(np.int32)
+    held_ids = rng.integers(0, TOY.vocab_size, 1000).astype(np.int32)
+    net = TargetNet(TOY)
+    init_parameters(net, 0)
+    fit = _fit(net, train_ids, held_ids, p, torch.device("cpu"), 0, deadline=1e18, steps=None,
+               log=print, progress=False)
+    per_step = p["batch"] * p["seq_len"]
+    assert fit["stopped_by"] == "epochs"
+    assert fit["steps"] == -(-2500 // per_step)  # the first step at or past half an epoch
+    assert len(fit["heldout_curve"]) == 3 and fit["epochs"] >= 0.5

@@ -79,7 +79,7 @@ def _train(args) -> int:
     print(f"parameters        {r['parameters']:,} ({r['active_parameters']:,} active per token)")
     print(f"corpus            {r['corpus']['files']} files, digest {r['corpus']['digest'][:16]}, "
           f"{r['tokenizer']['train_tokens']:,} training tokens")
-    print(f"target            {tg['steps']} steps, {tg['tokens_seen']:,} tokens "
+    print(f"target            {tg['steps']} steps (stopped by {tg['stopped_by']}), {tg['tokens_seen']:,} tokens "
           f"({tg['epochs']} epochs), {tg['tokens_per_second']:,.0f} tokens/s, {tg['seconds']} s "
           f"on {r['device_name']}")
     print(f"loss (nats/token) train {tg['train_loss']:.4f}  held-out {tg['heldout_loss']:.4f}  "

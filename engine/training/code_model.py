@@ -22,7 +22,8 @@
 5. DIR/train.json records all of it (docs/TRAINING.md lists the fields).
 
 `--minutes` is the whole budget, tokenizer and data included: the target trains until
-`target_share` of it is spent, the drafter until all of it is; the evaluations come after.
+`target_share` of it is spent (or `max_epochs` passes over the training stream are done), the
+drafter until all of it is; the evaluations come after.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ _TOY_MODEL = {
 PRESETS = {
     "small": {
         "model": _SMALL_MODEL, "seq_len": 512, "batch": 64, "lr": 2e-3, "min_lr_ratio": 0.1,
-        "dropout": 0.1,  # a 12-30 MB corpus is seen 5-15 times in the budget
+        "dropout": 0.1,  # a 12-30 MB corpus is seen many times in the budget
+        "max_epochs": 8,  # past that a small corpus is overfitted: the drafter gets the time
         "warmup": 0.03, "weight_decay": 0.1, "betas": (0.9, 0.95), "grad_clip": 1.0,
         "router_balance_rate": 1e-3, "eval_tokens": 1 << 20, "eval_tokens_cpu": 1 << 15,
         "curve_tokens": 1 << 16,
@@ -78,7 +80,7 @@ PRESETS = {
     },
     "toy": {
         "model": _TOY_MODEL, "seq_len": 64, "batch": 8, "lr": 3e-3, "min_lr_ratio": 0.1,
-        "dropout": 0.0,
+        "dropout": 0.0, "max_epochs": None,
         "warmup": 0.05, "weight_decay": 0.1, "betas": (0.9, 0.95), "grad_clip": 1.0,
         "router_balance_rate": 1e-3, "eval_tokens": 8192, "eval_tokens_cpu": 8192,
         "curve_tokens": 2048, "minutes": 0.5,
@@ -273,7 +275,8 @@ def _lr_factor(frac: float, p: dict) -> float:
 
 def _fit(net, train_ids: np.ndarray, held_ids: np.ndarray, p: dict, dev, seed: int,
          deadline: float, steps: int | None, log, progress) -> dict:
-    """The training loop: random windows, AdamW, until `steps` or `deadline`. At a quarter, half
+    """The training loop: random windows, AdamW, until `steps`, `deadline` or `max_epochs` passes
+    over the training stream, whichever comes first (the schedule follows the nearest). At a quarter, half
     and three quarters of the budget it measures the held-out loss on a sample (`curve`, for
     the record only: nothing is selected by it), outside the throughput figure."""
     import torch
@@ -304,8 +307,12 @@ def _fit(net, train_ids: np.ndarray, held_ids: np.ndarray, p: dict, dev, seed: i
     with Progress("target", span, log=log, rich=progress) as bar:
         while True:
             now = time.monotonic()
-            frac = max((now - t0) / span, step / steps if steps else 0.0)
-            if frac >= 1.0 or (steps is not None and step >= steps):
+            by = {"time": (now - t0) / span, "steps": step / steps if steps else 0.0,
+                  "epochs": step * B * T / (p["max_epochs"] * len(train_ids))
+                  if p.get("max_epochs") else 0.0}
+            frac = max(by.values())
+            if frac >= 1.0:
+                stopped_by = max(by, key=by.get)
                 break
             if marks and frac >= marks[0]:
                 marks.pop(0)
@@ -346,7 +353,8 @@ def _fit(net, train_ids: np.ndarray, held_ids: np.ndarray, p: dict, dev, seed: i
         rate = tokens / max(seconds - eval_s, 1e-9)
         bar.update(1.0, step=step, loss=recent[-1] if recent else float("nan"),
                    **{"tok/s": int(rate)})
-    return {"steps": step, "tokens_seen": tokens, "epochs": round(tokens / len(train_ids), 3),
+    return {"steps": step, "stopped_by": stopped_by, "tokens_seen": tokens,
+            "epochs": round(tokens / len(train_ids), 3),
             "seconds": round(seconds, 2), "tokens_per_second": round(rate, 1),
             "curve_eval_seconds": round(eval_s, 2), "first_loss": first,
             "last_loss": float(np.mean(recent)) if recent else None, "heldout_curve": curve}
