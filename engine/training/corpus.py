@@ -97,28 +97,33 @@ def cut_prompts(texts: list[str], tok, n: int, prompt_tokens, seed: int) -> list
     """n prompts, each the first `prompt_tokens` ids of a file's text from a random line on.
 
     prompt_tokens: an int, or (lo, hi) for a length drawn in [lo, hi] per prompt. A file is
-    drawn uniformly, then a line start in it; a draw that leaves too few tokens is drawn again
-    (an error after 50 n draws: the files are too short). Deterministic in seed."""
+    drawn uniformly, then a line start in it; a draw that leaves too few tokens is dropped and
+    drawn again (an error after 50 n draws: the files are too short). Draws are encoded in
+    batches (the tokenizer's threads). Deterministic in seed."""
     rng = np.random.default_rng(seed)
     lo, hi = (prompt_tokens, prompt_tokens) if isinstance(prompt_tokens, int) else prompt_tokens
     if not 1 <= lo <= hi:
         raise ValueError(f"cut_prompts: prompt_tokens {prompt_tokens!r}: need 1 <= lo <= hi")
-    starts = [np.flatnonzero(np.frombuffer(t.encode(), np.uint8) == 10) for t in texts]
+    data = [t.encode() for t in texts]
+    starts = [np.flatnonzero(np.frombuffer(d, np.uint8) == 10) for d in data]
     out, draws = [], 0
     while len(out) < n:
-        draws += 1
         if draws > 50 * max(n, 1):
             raise ValueError(f"cut_prompts: could not cut {n} prompts of {prompt_tokens} tokens "
                              f"from {len(texts)} files")
-        i = int(rng.integers(len(texts)))
-        want = int(rng.integers(lo, hi + 1))
-        data = texts[i].encode()
-        nl = starts[i]
-        at = 0 if len(nl) == 0 else int(nl[int(rng.integers(len(nl)))]) + 1
-        chunk = data[at:at + 16 * want + 64].decode("utf-8", errors="ignore")
-        ids = tok.encode(chunk)
-        if len(ids) > want:  # one more than needed: the last token is whole, not cut short
-            out.append(ids[:want])
+        wants, chunks = [], []
+        for _ in range(n - len(out)):
+            draws += 1
+            i = int(rng.integers(len(texts)))
+            want = int(rng.integers(lo, hi + 1))
+            nl = starts[i]
+            at = 0 if len(nl) == 0 else int(nl[int(rng.integers(len(nl)))]) + 1
+            # bytes enough for `want` tokens of code (about 3.4 bytes each) and one more
+            wants.append(want)
+            chunks.append(data[i][at:at + 8 * want + 64].decode("utf-8", errors="ignore"))
+        for want, ids in zip(wants, tok.encode_batch(chunks)):
+            if len(ids) > want:  # one more than needed: the last token is whole, not cut short
+                out.append(ids[:want])
     return out
 
 
