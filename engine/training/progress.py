@@ -37,12 +37,14 @@ class Progress:
 
     def __enter__(self):
         if self.rich:
-            from rich.progress import (BarColumn, Progress as RichProgress, TextColumn,
-                                       TimeElapsedColumn)
+            from rich.console import Console
+            from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
+            from rich.progress import Progress as RichProgress
 
             self._bar = RichProgress(TextColumn("[bold]{task.description}"), BarColumn(),
                                      TextColumn("{task.percentage:>3.0f}%"), TimeElapsedColumn(),
-                                     TextColumn("{task.fields[info]}"), transient=False)
+                                     TextColumn("{task.fields[info]}"), transient=False,
+                                     console=Console(file=self.stream))
             self._bar.__enter__()
             self._task = self._bar.add_task(self.name, total=1.0, info="")
         return self
