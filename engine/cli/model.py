@@ -90,7 +90,8 @@ def _train(args) -> int:
     print("tau               " + (f"{tau['tau']:.3f} at budget {tau['budget']} ({tau['prompts']} "
                                   f"held-out prompts, {tau['device']}; DDTree == AR: "
                                   f"{tau['same_tokens']})" if "tau" in tau else
-                                  f"skipped: {tau['skipped']}"))
+                                  f"skipped: {tau['skipped']}" if "skipped" in tau else
+                                  f"FAILED: {tau['error']}"))
     print(f"seconds           {json.dumps(sec)}")
     print(f"wrote             {Path(args.out).resolve()} (train.json has the record)")
     gap = tg["unigram_heldout_loss"] - tg["heldout_loss"]
@@ -100,7 +101,9 @@ def _train(args) -> int:
     if "tau" in tau:
         print(f"{'PASS' if tau['same_tokens'] else 'FAIL'}: DDTree tokens "
               f"{'==' if tau['same_tokens'] else '!='} AR tokens on {tau['prompts']} held-out prompts")
-    return 0 if gap > 0 and tau.get("same_tokens", True) else 1
+    elif "error" in tau:
+        print(f"FAIL: the tau estimate raised {tau['error']}")
+    return 0 if gap > 0 and tau.get("same_tokens", True) and "error" not in tau else 1
 
 
 if __name__ == "__main__":

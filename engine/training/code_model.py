@@ -215,14 +215,18 @@ def _run(out, p, dev, corpus, minutes, seed, config, steps, log, progress, t_sta
     # 4. tau on held-out prompts
     tp = p["tau"]
     t = time.monotonic()
-    tau = estimate_tau(out, cut_prompts(held_texts, tok, tp["prompts"], tp["prompt_tokens"], seed + 4),
-                       tp["new_tokens"], tp["budget"], str(dev), tok)
+    try:
+        tau = estimate_tau(out, cut_prompts(held_texts, tok, tp["prompts"], tp["prompt_tokens"],
+                                            seed + 4), tp["new_tokens"], tp["budget"], str(dev), tok)
+    except Exception as e:  # noqa: BLE001 - recorded and reported; the trained weights stay
+        tau = {"error": f"{type(e).__name__}: {e}"}
     tau_s = time.monotonic() - t
     if "tau" in tau:
         log(f"tau {tau['tau']:.2f} at budget {tp['budget']} on {tp['prompts']} held-out prompts "
             f"({tau['device']}), DDTree tokens == AR tokens: {tau['same_tokens']}")
     else:
-        log(f"tau: skipped ({tau['skipped']})")
+        log(f"tau: {'skipped' if 'skipped' in tau else 'FAILED'} "
+            f"({tau.get('skipped') or tau.get('error')})")
 
     record = {
         "schema": SCHEMA, "config_name": config, "overrides": overrides or None,
