@@ -1,0 +1,121 @@
+"""The e2e suite's model dimension: tiny and code-small (here the STAND-IN of
+tests/code_small_standin.py: tiny weights with a tokenizer.json and stub held-out prompts) on
+the CPU, quick: code-small's cases (AR, DDTree per budget with its trained drafter, per batch
+size), the accept-length histogram that tau is the mean of, the sample continuation (ids and
+text, identical), its params; and a DDTree != AR difference fails the suite loudly."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import code_small_standin
+from native_helpers import native
+
+pytestmark = pytest.mark.native
+
+QUICK = dict(prompts=2, new_tokens=12, budgets=[15], qualities=[0.9], batches=[1], reps=1,
+             drafter_steps=20, code_small={"budgets": [7, 15], "batches": [1, 2], "prompts": 3,
+                                           "prompt_tokens": [10, 20], "new_tokens": 12})
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("e2e_models_cache")  # one drafter training for the module
+
+
+@pytest.fixture
+def ctx(tmp_path, monkeypatch, cache):
+    import bench
+
+    native()
+    monkeypatch.setenv("KDTREE_CACHE", str(cache))
+    calls = code_small_standin.install(monkeypatch, cache / "standin")
+
+    def make(**args):
+        return bench.Context(out_dir=tmp_path / "out", quick=True, devices=["cpu"],
+                             library=native().library(), args={**QUICK, **args})
+    return make, calls
+
+
+def test_code_small_beside_tiny(ctx):
+    from bench import e2e
+    from engine.serving.tokenizer import load_tokenizer
+
+    make, calls = ctx
+    out = e2e.run(make())
+    p = out["params"]
+    assert p["models"] == ["tiny", "code-small"]
+    assert calls["weights"] == [{"device": "cpu", "minutes": None, "toy": True}]
+    assert calls["prompts"][0][1:] == (3, (10, 20), e2e.PROMPT_SEED)
+    cs = p["code_small"]
+    assert cs["toy"] is True and cs["drafters"]["block:trained"]["kind"] == "trained"
+    assert cs["training"]["heldout_loss"] == 5.3 and cs["training"]["corpus"]["digest"] == "0" * 64
+    assert all(10 <= n <= 20 for n in cs["prompts"]["lengths"]) and len(cs["prompts"]["lengths"]) == 3
+    assert p["weights"]["path"] != cs["weights"]["path"]  # tiny's params stay tiny's
+
+    recs = [r for r in out["results"] if r.get("model") == "code-small"]
+    keys = {(r["mode"], r["budget"], r["drafter"], r["batch"]) for r in recs}
+    assert keys == {(m, b, d, bs) for bs in (1, 2) for m, b, d in
+                    [("ar", 0, "-"), ("ddtree", 7, "block:trained"), ("ddtree", 15, "block:trained")]}
+    for r in recs:
+        assert r["validation"]["ok"], r["validation"]
+        assert r["case"].startswith("code-small ")
+        hist = np.asarray(r["accept_hist"])  # per request and round: >= the batched rounds
+        assert hist[0] == 0 and hist.sum() >= r["round"]["rounds"]
+        if r["batch"] == 1:
+            assert hist.sum() == r["round"]["rounds"]
+        tau = float((np.arange(len(hist)) * hist).sum() / hist.sum())
+        assert abs(tau - r["rates"]["mean_accept_length"]) < 1e-12
+        # tokens: the prefill's first one, then each round's accepted (bonus included)
+        assert (np.arange(len(hist)) * hist).sum() + 3 >= 3 * 12
+        if r["mode"] == "ar":
+            assert list(hist) == [0, 3 * (12 - 1)]  # one token per AR step
+    tiny = [r for r in out["results"] if r.get("model") == "tiny"]
+    assert tiny and all(not r["case"].startswith("code-small") for r in tiny)
+    assert "code-small" in out["table"] and "tiny" in out["table"]
+
+    s = cs["sample"]
+    tok = load_tokenizer(cs["weights"]["path"], cs["weights"]["config"]["vocab_size"])
+    assert s["identical"] and s["ar_ids"] == s["ddtree_ids"] and len(s["ar_ids"]) == 12
+    assert s["budget"] == 15 and s["batch"] == 1 and s["device"] == "cpu"
+    assert s["prompt_text"] == tok.decode(s["prompt_ids"]) and s["ar_text"] == tok.decode(s["ar_ids"])
+    assert s["ddtree_text"] == s["ar_text"]
+    json.dumps(out["params"])  # the suite JSON can hold it
+
+
+def test_a_ddtree_difference_fails_the_suite_loudly(ctx, monkeypatch, capsys):
+    import bench
+    from bench import e2e
+
+    make, _ = ctx
+    real = e2e._decode_all
+
+    def corrupt(eng, batches, new_tokens, mode, budget, drafters):
+        out = real(eng, batches, new_tokens, mode, budget, drafters)
+        if mode == "ddtree" and budget == 15:
+            out["tokens"][0] = out["tokens"][0].copy()
+            out["tokens"][0][5] += 1
+        return out
+
+    monkeypatch.setattr(e2e, "_decode_all", corrupt)
+    c = make(models=["code-small"])
+    (o,) = bench.run_suites(["e2e"], c)
+    doc = json.loads(o.json_path.read_text())
+    assert o.status == "invalid" and doc["status"] == "invalid"
+    bad = [r for r in doc["results"] if not r["validation"]["ok"]]
+    assert {r["budget"] for r in bad} == {15}
+    assert "prompt 0, token 5" in bad[0]["validation"]["error"]
+    assert "MISMATCH" in (c.out_dir / "e2e.txt").read_text()
+    assert "e2e: MISMATCH: code-small cpu" in capsys.readouterr().err
+    assert "weights" not in doc["params"]  # no tiny in this run
+
+
+def test_unknown_model_is_an_error(ctx):
+    from bench import e2e
+
+    make, _ = ctx
+    with pytest.raises(ValueError, match="models \\['small'\\]"):
+        e2e.run(make(models=["small"]))
