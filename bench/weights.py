@@ -25,6 +25,21 @@ weights digest and settings, on the run's device, then reused. It is complete an
 the base folder, and reused only when its drafter is bound to the target beside it (a drafter
 trained against other target weights is never used: the folder is trained again).
 `drafter_record(folder)` is what a suite records about the drafter it used.
+
+`code_small_weights(device, minutes)` is the TRAINED target `code-small` (engine.training.code_model:
+the stdlib's sources, a BPE tokenizer, the MLA + MoE target, its block drafter trained against it
+on prompts from the training files), trained once into
+
+    $KDTREE_CACHE/weights/code-small-<key>/    (code-toy-<key> for the CI-sized toy)
+
+where <key> is derived from the config preset, the corpus digest, the seed, the time budget (and
+a step limit, if any): a new stdlib, seed or budget gets a fresh folder. Its files: config.json,
+model.safetensors, tokenizer.json, train.json (the training record), drafter_config.json,
+drafter.safetensors, and weights.sha256.json (written last). It is reused only when every
+digest matches, the drafter is trained and bound to the target beside it, and train.json is
+complete; else trained again. `code_small_record(folder)` is what a suite records about it.
+Held-out prompts: engine.training.corpus.heldout_prompts(folder, n, prompt_tokens, seed); the
+tokenizer: engine.text.load_tokenizer(folder).
 """
 
 from __future__ import annotations
@@ -167,6 +182,88 @@ def trained_drafter_weights(base: Path, settings: dict | None = None, device: st
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return _publish(tmp, folder, _bound)
+
+
+CODE_SMALL_LAYOUT = 1  # bump when a trained folder's contents change meaning: older keys retire
+RECORD_KEYS = ("schema", "corpus", "tokenizer", "target", "drafter", "tau", "seconds")
+
+
+def code_small_key(toy: bool = False, minutes: float | None = None, seed: int = 0,
+                   corpus=None, steps: int | None = None) -> tuple[str, float]:
+    """(folder name, the budget in minutes) of a code-small training in the cache."""
+    from engine.training.code_model import preset
+    from engine.training.corpus import load_corpus
+
+    name = "toy" if toy else "small"
+    p = preset(name)
+    minutes = float(p["minutes"] if minutes is None else minutes)
+    key = json.dumps({"layout": CODE_SMALL_LAYOUT, "config": name, "preset": p,
+                      "corpus_digest": load_corpus(corpus).digest, "seed": int(seed),
+                      "minutes": minutes, "steps": steps}, sort_keys=True, default=list)
+    return f"code-{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}", minutes
+
+
+def _trained_complete(folder: Path) -> bool:
+    """Verified digests, a bound trained drafter, a tokenizer and a complete train.json."""
+    if not _bound(folder) or not (folder / "tokenizer.json").is_file():
+        return False
+    try:
+        rec = json.loads((folder / "train.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return isinstance(rec, dict) and all(k in rec for k in RECORD_KEYS)
+
+
+def code_small_weights(device: str = "cuda", minutes: float | None = None,
+                       cache: Path | None = None, toy: bool = False, corpus=None, seed: int = 0,
+                       steps: int | None = None, log=None) -> Path:
+    """The trained code-small folder (code-toy with toy=True) from the cache when complete, else
+    trained now on `device` (a torch device; the native engine generating the drafter's data
+    runs there too). minutes: the whole training budget (default: the preset's, 3 for small);
+    corpus: a folder of *.py files instead of this Python's stdlib; steps: a cap on the
+    target's steps (tests). A CUDA device that torch cannot see is an error, not a silent CPU
+    run: three minutes of CPU training would be cached under the same key as the GPU's."""
+    from engine.training.code_model import train_code_model
+
+    name, minutes = code_small_key(toy, minutes, seed, corpus, steps)
+    folder = (cache or cache_root()) / "weights" / name
+    if _trained_complete(folder):
+        return folder
+    if str(device).startswith("cuda") and not _torch_cuda():
+        raise RuntimeError(f"code_small_weights: device {device!r}, but torch sees no CUDA "
+                           f"device (train on a GPU host, or pass device='cpu' knowingly)")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        train_code_model(tmp, device=device, corpus=corpus, minutes=minutes, seed=seed,
+                         config="toy" if toy else "small", steps=steps, log=log, progress=False)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return _publish(tmp, folder, _trained_complete)
+
+
+def code_small_record(folder) -> dict:
+    """What a suite records about a trained target (beside describe(folder)'s sha256 per file):
+    config preset, corpus digest and split, seed, budget, device, steps, tokens, losses, the
+    drafter's training and the tau estimate of the training run."""
+    rec = json.loads((Path(folder) / "train.json").read_text())
+    tg, corpus = rec["target"], rec["corpus"]
+    return {"path": str(folder), "config_name": rec["config_name"], "seed": rec["seed"],
+            "minutes": rec["minutes"], "device": rec["device"], "device_name": rec["device_name"],
+            "parameters": rec["parameters"], "active_parameters": rec["active_parameters"],
+            "corpus_root": corpus["root"], "corpus_digest": corpus["digest"],
+            "corpus_files": corpus["files"], "train_files": corpus["split"]["train_files"],
+            "heldout_files": corpus["split"]["heldout_files"],
+            "heldout_list_sha256": corpus["split"]["heldout_list_sha256"],
+            "vocab_size": rec["tokenizer"]["vocab_size"], "steps": tg["steps"],
+            "tokens_seen": tg["tokens_seen"], "tokens_per_second": tg["tokens_per_second"],
+            "train_loss": tg["train_loss"], "heldout_loss": tg["heldout_loss"],
+            "unigram_heldout_loss": tg["unigram_heldout_loss"],
+            "drafter_steps": rec["drafter"]["steps"],
+            "drafter_held_out_top1_by_depth": rec["drafter"]["held_out_top1_by_depth"],
+            "tau_estimate": rec["tau"].get("tau"), "seconds": rec["seconds"]}
 
 
 def _torch_cuda() -> bool:

@@ -1,6 +1,7 @@
 """Brief training of the block drafter on the target's own greedy outputs (torch, CPU or CUDA).
 
-Data: random prompts, the target's greedy continuation and its hidden states at every position
+Data: prompts (random ids by default, or given: the trained target's prompts are cut from its
+training files, engine.training.code_model), the target's greedy continuation and its hidden states at every position
 (one prefill over the finished sequence), from the native engine (engine.native.Engine: batched
 prompts, on CUDA when training on CUDA and the library has it, else its CPU backend); only when
 libkdtree is missing, from the float64 reference model (engine.reference.decode, ~20x slower), and
@@ -13,6 +14,9 @@ depths decide most of the acceptance); dropout 0.3 on the context features (it l
 depth-1 accuracy from 0.39 to 0.41 and the mean acceptance at budget 63 from 2.17 to 2.37).
 
     python -m engine.cli.drafter train --weights DIR [--steps N] [--sequences N] [--seed S]
+
+A `deadline` (time.monotonic() value) stops the steps early: the learning-rate schedule then
+follows whichever of steps and time is nearer its end, and the record says how many steps ran.
 """
 
 from __future__ import annotations
@@ -38,10 +42,12 @@ class Sequence:
     prompt_len: int
 
 
-def collect(model: Model, n_seqs: int, new_tokens: int, seed: int) -> list[Sequence]:
-    """Greedy sequences from the float64 reference model (the fallback: slow)."""
+def collect(model: Model, n_seqs: int, new_tokens: int, seed: int,
+            prompts=None) -> list[Sequence]:
+    """Greedy sequences from the float64 reference model (the fallback: slow). prompts: token
+    id lists to continue instead of n_seqs random ones."""
     out = []
-    for prompt in _prompts(model.cfg.vocab_size, n_seqs, seed):
+    for prompt in _prompts(model.cfg.vocab_size, n_seqs, seed, prompts):
         gen = generate(model, prompt, new_tokens).tokens
         seq = np.concatenate([prompt, gen])
         _, hidden = model.forward(seq, np.arange(len(seq)), model.new_cache(len(seq)))
@@ -49,7 +55,14 @@ def collect(model: Model, n_seqs: int, new_tokens: int, seed: int) -> list[Seque
     return out
 
 
-def _prompts(vocab: int, n_seqs: int, seed: int) -> list:
+def _prompts(vocab: int, n_seqs: int, seed: int, given=None) -> list:
+    if given is not None:
+        out = [np.asarray(p, dtype=np.int64) for p in given]
+        bad = [i for i, p in enumerate(out) if len(p) == 0 or p.min() < 0 or p.max() >= vocab]
+        if bad:
+            raise ValueError(f"drafter training: prompts {bad[:5]} are empty or hold ids "
+                             f"outside [0, {vocab})")
+        return out
     rng = np.random.default_rng(seed)
     return [rng.integers(0, vocab, int(rng.integers(4, 25))) for _ in range(n_seqs)]
 
@@ -61,14 +74,16 @@ def causal_visibility(n: int, words: int) -> np.ndarray:
 
 
 def collect_native(weights_dir, n_seqs: int, new_tokens: int, seed: int, device: str = "cpu",
-                   batch: int = 32) -> list[Sequence]:
+                   batch: int = 32, prompts=None) -> list[Sequence]:
     """collect() on the native engine: `batch` prompts decoded together (AR), then one causal
     forward over the finished sequences for the final-norm hidden states (not committed, so the
     slots stay empty)."""
     from engine.native.engine import Engine
 
-    with Engine(weights_dir, device=device, max_slots=batch, max_seq=24 + new_tokens + 8) as eng:
-        prompts = _prompts(eng.vocab_size, n_seqs, seed)
+    longest = 24 if prompts is None else max(len(p) for p in prompts)
+    with Engine(weights_dir, device=device, max_slots=batch,
+                max_seq=longest + new_tokens + 8) as eng:
+        prompts = _prompts(eng.vocab_size, n_seqs, seed, prompts)
         out = []
         for i in range(0, len(prompts), batch):
             chunk = prompts[i:i + batch]
@@ -87,7 +102,8 @@ def collect_native(weights_dir, n_seqs: int, new_tokens: int, seed: int, device:
 
 
 def collect_any(weights_dir, n_seqs: int, new_tokens: int, seed: int, device: str,
-                data: str = "auto", log=None) -> tuple[list[Sequence], str]:
+                data: str = "auto", log=None, prompts=None,
+                batch: int = 32) -> tuple[list[Sequence], str]:
     """(sequences, source): data "native", "reference" or "auto" (native unless libkdtree is
     missing). The native engine runs on CUDA when `device` is a CUDA device and the library
     has the CUDA backend, else on its CPU backend. source: "native-cpu", "native-cuda" or
@@ -108,8 +124,9 @@ def collect_any(weights_dir, n_seqs: int, new_tokens: int, seed: int, device: st
         else:
             want_cuda = str(device).startswith("cuda")
             on = "cuda" if want_cuda and lib.has_cuda and lib.cuda_device_count() > 0 else "cpu"
-            return collect_native(weights_dir, n_seqs, new_tokens, seed, on), f"native-{on}"
-    return collect(Model.from_dir(weights_dir), n_seqs, new_tokens, seed), "reference"
+            return (collect_native(weights_dir, n_seqs, new_tokens, seed, on, batch, prompts),
+                    f"native-{on}")
+    return collect(Model.from_dir(weights_dir), n_seqs, new_tokens, seed, prompts), "reference"
 
 
 def make_batch(data: list[Sequence], cfg: BD.DrafterConfig, rng, batch: int):
@@ -149,9 +166,16 @@ def depth_accuracy(net, data, cfg, rng, batches: int = 8, batch: int = 64, devic
 
 def train(weights_dir, steps: int = 800, sequences: int = 192, new_tokens: int = 96,
           batch: int = 64, lr: float = 3e-3, seed: int = 0, device: str = "cpu",
-          ctx_dropout: float = 0.3, data: str = "auto", log=None) -> dict:
+          ctx_dropout: float = 0.3, data: str = "auto", log=None, prompts=None,
+          held_out_prompts=None, prompt_source: str | None = None, deadline: float | None = None,
+          data_batch: int = 32) -> dict:
     """Trains the drafter in weights_dir (from its current weights) and saves it there, its
-    config recording the run (DrafterConfig.training) and the target's sha256."""
+    config recording the run (DrafterConfig.training) and the target's sha256.
+
+    prompts / held_out_prompts: token id lists whose greedy continuations are the training and
+    held-out data (default: `sequences` random prompts, and sequences // 8 from another seed);
+    prompt_source names them in the record. deadline: a time.monotonic() value that ends the
+    steps early. data_batch: prompts the native engine decodes together."""
     import torch
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -166,23 +190,30 @@ def train(weights_dir, steps: int = 800, sequences: int = 192, new_tokens: int =
         torch.set_num_threads(1)
     try:
         return _train(weights_dir, steps, sequences, new_tokens, batch, lr, seed, device,
-                      ctx_dropout, data, log)
+                      ctx_dropout, data, log, prompts, held_out_prompts, prompt_source, deadline,
+                      data_batch)
     finally:
         torch.set_num_threads(threads)
 
 
 def _train(weights_dir, steps, sequences, new_tokens, batch, lr, seed, device, ctx_dropout,
-           data, log) -> dict:
+           data, log, prompts, held_out_prompts, prompt_source, deadline, data_batch) -> dict:
     import torch
 
     cfg, weights = BD.load(weights_dir)
     t0 = time.monotonic()
-    # Held-out sequences come from another prompt seed: accuracy on rounds never trained on.
-    train_data, source = collect_any(weights_dir, sequences, new_tokens, seed, device, data, log)
+    if prompts is not None:
+        sequences = len(prompts)
+        if held_out_prompts is None:  # the last eighth of the given prompts, never trained on
+            cut = max(1, len(prompts) // 8)
+            prompts, held_out_prompts = prompts[:-cut], prompts[-cut:]
+    # Held-out sequences come from other prompts: accuracy on rounds never trained on.
+    train_data, source = collect_any(weights_dir, sequences, new_tokens, seed, device, data, log,
+                                     prompts, data_batch)
     held_out, _ = collect_any(weights_dir, max(4, sequences // 8), new_tokens, seed + 1, device,
-                              source.split("-")[0], log)
+                              source.split("-")[0], log, held_out_prompts, data_batch)
     data_seconds = time.monotonic() - t0
-    log(f"collected {sequences} + {len(held_out)} greedy sequences of {new_tokens} tokens "
+    log(f"collected {len(train_data)} + {len(held_out)} greedy sequences of {new_tokens} tokens "
         f"({source}) in {data_seconds:.1f} s")
     data = train_data
     net = BD.make_net(cfg, weights, device)
@@ -191,13 +222,22 @@ def _train(weights_dir, steps, sequences, new_tokens, batch, lr, seed, device, c
                                 device=device)
     net.train()
     opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.01)
+    t1 = time.monotonic()
+
+    def spent(s):  # how much of the budget step s has used: steps, or time when nearer
+        by_time = (time.monotonic() - t1) / (deadline - t1) if deadline and deadline > t1 else 0.0
+        return min(1.0, max(s / steps, by_time))
+
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+        opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * spent(s))))
     decay = torch.tensor([math.exp(-d / 7.0) for d in range(cfg.depth)], device=device)
     rng = np.random.default_rng(seed + 2)
-    t1 = time.monotonic()
     losses = []
+    done = 0
     for step in range(steps):
+        if deadline is not None and step > 0 and time.monotonic() >= deadline:
+            log(f"step {step:5d}: the time budget is spent; stopping")
+            break
         ctx, valid, root, labels = (torch.as_tensor(a, device=device)
                                     for a in make_batch(data, cfg, rng, batch))
         # Feature dropout on the context: with ~10k rounds the net otherwise memorises rounds by
@@ -214,10 +254,11 @@ def _train(weights_dir, steps, sequences, new_tokens, batch, lr, seed, device, c
         opt.step()
         sched.step()
         losses.append(float(loss.detach()))
+        done = step + 1
         if step % max(1, steps // 10) == 0 or step == steps - 1:
             log(f"step {step:5d}  loss {np.mean(losses[-50:]):.4f}")
     acc = depth_accuracy(net.eval(), held_out, cfg, np.random.default_rng(seed + 3), device=device)
-    record = {"steps": steps, "seed": seed, "sequences": sequences, "new_tokens": new_tokens,
+    record = {"steps": done, "seed": seed, "sequences": len(train_data), "new_tokens": new_tokens,
               "batch": batch, "lr": lr, "ctx_dropout": ctx_dropout, "data_source": source,
               "device": str(device), "data_seconds": round(data_seconds, 3),
               "train_seconds": round(time.monotonic() - t1, 3),
@@ -225,7 +266,10 @@ def _train(weights_dir, steps, sequences, new_tokens, batch, lr, seed, device, c
               "final_loss": float(np.mean(losses[-50:])) if losses else None,
               "held_out_top1_by_depth": [round(float(a), 4) for a in acc],
               "held_out_top1_by_depth_before": [round(float(a), 4) for a in acc_before]}
-    new_cfg = dataclasses.replace(cfg, trained_steps=cfg.trained_steps + steps,
+    if prompts is not None:
+        record.update(prompts=prompt_source or "given", held_out_sequences=len(held_out),
+                      steps_planned=steps)
+    new_cfg = dataclasses.replace(cfg, trained_steps=cfg.trained_steps + done,
                                   target_sha256=BD.target_sha256(weights_dir), training=record)
     paths = BD.save(weights_dir, new_cfg, net.state_numpy())
     result = dict(record, saved=[str(p) for p in paths])
