@@ -363,7 +363,7 @@ def run(ctx) -> dict:
         else:
             cs = g["code_small"]
             params["code_small"] = {
-                **rec, "toy": target.toy, "training": bm.training_summary(target.training),
+                **rec, "toy": target.toy, "training": target.training,
                 "prompts": {"n": len(prompts), "prompt_tokens": cs["prompt_tokens"],
                             "lengths": [len(p) for p in prompts], "seed": PROMPT_SEED,
                             "source": "held-out files of the target's train.json split"},

@@ -10,8 +10,9 @@
                 from the held-out files of its training split (engine.training.corpus).
 
 `code_small(device, quick, minutes)` returns a Target; `code_small_prompts(target, n,
-prompt_tokens, seed)` its held-out prompts. Both are the only places the suites reach the
-training code, so tests can stand a folder in for them.
+prompt_tokens, seed)` its held-out prompts. `code_small_weights` and `heldout_prompts` are the
+only places the suites reach the training code (tests point them at a toy trained on a small
+corpus: tests/code_small_toy.py).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import json
 from pathlib import Path
 
 MODELS = ("tiny", "code-small")
-TRAIN_RECORD = "train.json"
 
 
 @dataclasses.dataclass
@@ -30,7 +30,7 @@ class Target:
     folder: Path              # the target's weights (params record it: bench.weights.describe)
     engine_weights: Path      # the folder the engine loads: its stored drafter is the trained one
     drafters: dict            # {case name: folder}
-    training: dict | None = None  # code-small: its train.json (corpus, split, steps, losses)
+    training: dict | None = None  # code-small: bench/weights.code_small_record (train.json)
     toy: bool = False
 
 
@@ -72,10 +72,11 @@ def code_small_weights(device: str, minutes, toy: bool) -> Path:
 def code_small(device: str, quick: bool, minutes=None) -> Target:
     """code-small with its trained drafter (stored in its folder: "block:trained"); quick: the
     toy version."""
+    from bench import weights as bw
+
     folder = code_small_weights(device, minutes, toy=quick)
-    rec = folder / TRAIN_RECORD
-    training = json.loads(rec.read_text()) if rec.is_file() else None
-    return Target("code-small", folder, folder, {"block:trained": folder}, training, toy=quick)
+    return Target("code-small", folder, folder, {"block:trained": folder},
+                  bw.code_small_record(folder), toy=quick)
 
 
 def heldout_prompts(folder, n: int, prompt_tokens, seed: int) -> list:
@@ -101,24 +102,3 @@ def tokenizer(target: Target):
 
     cfg = json.loads((Path(target.folder) / "config.json").read_text())
     return load_tokenizer(target.folder, int(cfg["vocab_size"]))
-
-
-def training_summary(training: dict | None) -> dict | None:
-    """The figures of a train.json the report shows (losses against the unigram model, steps,
-    tokens, wall time, corpus digest and split); the rest of the record stays in the folder.
-    Keys that the record does not have are left out, not invented."""
-    if not training:
-        return None
-    keep = {}
-    for k, v in training.items():
-        if k == "corpus" and isinstance(v, dict):
-            split = v.get("split") or {}
-            keep["corpus"] = {kk: v[kk] for kk in ("root", "digest", "files", "bytes") if kk in v}
-            keep["corpus"]["split"] = {kk: split[kk] for kk in
-                                       ("rule", "train_files", "heldout_files",
-                                        "heldout_list_sha256") if kk in split}
-        elif isinstance(v, (int, float, str, bool)) or v is None:
-            keep[k] = v
-        elif isinstance(v, dict) and len(json.dumps(v)) <= 4000:
-            keep[k] = v
-    return keep

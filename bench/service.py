@@ -276,7 +276,8 @@ def _records(backend: str, url: str, model: str, levels, opts: dict, extra_case:
 
 
 def _targets(ctx, opts, device: str) -> list:
-    """[(name, target folder, served folder, served model name or None, prompts, case extras)]:
+    """[(name, target folder, served folder, served model name or None, prompts, case extras,
+    training record or None)]:
     tiny with seeded id prompts (or the prompts file), code-small with text prompts cut from its
     held-out files; a `weights` option serves that folder alone."""
     if opts["prompts"]:
@@ -287,20 +288,21 @@ def _targets(ctx, opts, device: str) -> list:
     ddtree = "ddtree" in opts["modes"]
     if opts["weights"]:
         w = Path(opts["weights"])
-        return [("weights", w, w, None, base_prompts, {})]
+        return [("weights", w, w, None, base_prompts, {}, None)]
     out = []
     for name in opts["models"]:
         if name == "tiny":
             t = bm.tiny(ctx.quick, device, block=ddtree, block_random=False)
-            out.append(("tiny", t.folder, t.engine_weights, "kdtree-tiny", base_prompts, {}))
+            out.append(("tiny", t.folder, t.engine_weights, "kdtree-tiny", base_prompts, {}, None))
         else:
             t = bm.code_small(device, ctx.quick)
+            training = t.training
             tok = bm.tokenizer(t)
             ids = bm.code_small_prompts(t, max(opts["requests"], VALIDATE_PROMPTS),
                                         opts["code_small_prompt_tokens"], opts["seed"])
             lo, hi = opts["code_small_prompt_tokens"]
             out.append(("code-small", t.folder, t.engine_weights, "kdtree-code-small",
-                        [tok.decode(p) for p in ids], {"prompt_tokens": f"{lo}-{hi}"}))
+                        [tok.decode(p) for p in ids], {"prompt_tokens": f"{lo}-{hi}"}, training))
     return out
 
 
@@ -326,11 +328,11 @@ def run(ctx) -> dict:
     max_batch = opts["max_batch"] or max(opts["concurrency"])
     # A queue as deep as the largest level: a max_batch below it queues, never 429s.
     max_queue = max(max(opts["concurrency"]), max_batch)
-    for name, target, weights, served_name, prompts, case_extra in targets:
+    for name, target, weights, served_name, prompts, case_extra, training in targets:
         record = {"weights": bw.describe(target),
                   "drafter": bw.drafter_record(weights) if "ddtree" in opts["modes"] else None}
         if name == "code-small":  # tiny's (or the weights option's) stay where they were
-            params["code_small"] = {**record, "served_model": served_name,
+            params["code_small"] = {**record, "served_model": served_name, "training": training,
                                     "prompts_source": "held-out files of the target's train.json "
                                     f"split, seed {opts['seed']}, sent as text",
                                     "prompt_tokens": opts["code_small_prompt_tokens"]}

@@ -100,11 +100,11 @@ def test_bpe_ids_beyond_the_tokenizer_and_bad_files(bpe, tmp_path):
     tok, lib, path = bpe
     n = lib.get_vocab_size()
     assert tok.decode(tok.encode("ab") + [n, VOCAB - 1]) == f"ab<|{n}|><|{VOCAB - 1}|>"
-    with pytest.raises(ValueError, match=f"{n} tokens, more than the model's vocabulary of 100"):
+    with pytest.raises(ValueError, match=f"the tokenizer has {n} ids but the model's vocab_size is 100"):
         BPETokenizer(path, 100)
     bad = tmp_path / "tokenizer.json"
     bad.write_text("{not json")
-    with pytest.raises(ValueError, match="cannot be loaded"):
+    with pytest.raises(ValueError, match="not a tokenizers JSON file"):
         BPETokenizer(bad, VOCAB)
     import json as _json
 

@@ -6,7 +6,8 @@
     dec = tok.stream_decoder(); dec.feed(ids[:1]) + dec.feed(ids[1:]) + dec.feed([], final=True)
 
 `load_tokenizer` picks, in order: the folder's `tokenizer.json` (a HuggingFace `tokenizers`
-byte-level BPE, as `python -m engine.cli.model train` saves beside a trained target), else the
+byte-level BPE, as `python -m engine.cli.model train` saves beside a trained target; loaded by
+engine/text.py, which training and the benchmarks use too), else the
 byte tokenizer when the model has >= 256 tokens (the tiny random model: text only needs to be
 reversible there, not meaningful), else None (the server then takes token ids only).
 
@@ -75,35 +76,28 @@ def _byte_alphabet() -> dict:
 
 
 class BPETokenizer:
-    """A byte-level BPE `tokenizer.json` (HuggingFace `tokenizers`): encode with the library,
-    decode through the vocabulary's bytes (module docstring)."""
+    """A byte-level BPE `tokenizer.json` loaded by engine/text.py (encode with the library),
+    decoded through the vocabulary's bytes (module docstring)."""
 
     name = "bpe"
 
     def __init__(self, path, vocab_size: int):
-        from tokenizers import Tokenizer
+        from engine.text import load_tokenizer as load_text
 
         path = Path(path)
-        try:
-            doc = json.loads(path.read_text())
-            self._tok = Tokenizer.from_file(str(path))
-        except Exception as e:  # OSError, JSON errors, and tokenizers' own Exception
-            raise ValueError(f"tokenizer {path}: cannot be loaded: {type(e).__name__}: {e}") from None
+        self._text = load_text(path, vocab_size)  # ValueError: not loadable, or too many ids
+        doc = json.loads(path.read_text())  # the library read it: valid JSON
         decoder = (doc.get("decoder") or {}).get("type")
         if (doc.get("model") or {}).get("type") != "BPE" or decoder != "ByteLevel":
             raise ValueError(f"tokenizer {path}: need a byte-level BPE (model BPE, decoder "
                              f"ByteLevel), got model {(doc.get('model') or {}).get('type')!r}, "
                              f"decoder {decoder!r}")
-        n = self._tok.get_vocab_size(with_added_tokens=True)
-        if n > vocab_size:
-            raise ValueError(f"tokenizer {path}: {n} tokens, more than the model's vocabulary "
-                             f"of {vocab_size}")
         self.path, self.vocab_size = path, int(vocab_size)
         alphabet = _byte_alphabet()
         added = {a["id"]: a["content"] for a in doc.get("added_tokens") or []}
         self._bytes = []
-        for i in range(n):
-            s = self._tok.id_to_token(i)
+        for i in range(self._text.vocab_size):
+            s = self._text.token(i)
             if i in added:
                 self._bytes.append(added[i].encode("utf-8"))
             elif s is None:
@@ -117,7 +111,7 @@ class BPETokenizer:
 
     def encode(self, text: str) -> list:
         """Token ids of text (no special tokens added)."""
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+        return self._text.encode(text)
 
     def decode(self, ids) -> str:
         return self.stream_decoder().feed(ids, final=True)
