@@ -24,6 +24,19 @@ def timed(doc, bench=None):
             yield r
 
 
+def e2e_records(view, model: str = "tiny") -> list:
+    """The timed e2e records of one target (`model`; records of runs before the model dimension
+    have none and are tiny's)."""
+    return [r for r in timed(view["suites"].get("e2e")) if (r.get("model") or "tiny") == model]
+
+
+def service_records(view, target: str = "tiny") -> list:
+    """The timed service records of one target (`target`; older records have none: tiny's, or
+    the `weights` option's folder)."""
+    return [r for r in timed(view["suites"].get("service"))
+            if (r.get("target") or "tiny") in ((target, "weights") if target == "tiny" else (target,))]
+
+
 def tree_records(view) -> list:
     """Tree-build records: the head-to-head suite, else the kernels suite's tree_build."""
     recs = list(timed(view["suites"].get("tree_build"), "tree_build"))
@@ -99,8 +112,8 @@ def _rate(r, key):
     return v if isinstance(v, (int, float)) else None
 
 
-def e2e_device(view) -> str | None:
-    devs = {r.get("backend") for r in timed(view["suites"].get("e2e"))}
+def e2e_device(view, model: str = "tiny") -> str | None:
+    devs = {r.get("backend") for r in e2e_records(view, model)}
     return next((d for d in ("cuda", "cpu") if d in devs), None)
 
 
@@ -179,7 +192,7 @@ def _tree_lines(view) -> list:
 def _step_lines(view) -> list:
     recs_t = tree_records(view)
     nat, sg = native_backend(recs_t), sglang_backend(recs_t)
-    e2e = list(timed(view["suites"].get("e2e")))
+    e2e = e2e_records(view)
     dev = e2e_device(view)
     if not e2e or not nat or not dev:
         return []
@@ -291,7 +304,7 @@ def _num(x, fmt) -> str:
 
 
 def _e2e_lines(view) -> list:
-    e2e = list(timed(view["suites"].get("e2e")))
+    e2e = e2e_records(view)
     dev = e2e_device(view)
     if not e2e or not dev:
         return []
@@ -338,7 +351,7 @@ def round_phases(r) -> dict | None:
 
 
 def _round_lines(view) -> list:
-    e2e = list(timed(view["suites"].get("e2e")))
+    e2e = e2e_records(view)
     dev = e2e_device(view)
     dr = round_drafter(e2e)
     if not e2e or not dev or not dr:
@@ -366,7 +379,7 @@ def _round_lines(view) -> list:
 
 
 def _service_lines(view) -> list:
-    recs = list(timed(view["suites"].get("service")))
+    recs = service_records(view)
     if not recs:
         return []
     tps = lambda r: ((r.get("rates") or {}).get("aggregate_tokens_per_s") or {}).get("value")  # noqa: E731
