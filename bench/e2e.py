@@ -90,14 +90,23 @@ def grid(quick: bool) -> dict:
 
 
 def _grid(ctx) -> dict:
-    """grid() with ctx.args' overrides (dict-valued keys merge: {"code_small": {"reps": 1}})."""
+    """grid() with ctx.args' overrides (dict-valued keys merge: {"code_small": {"reps": 1}};
+    an empty dict clears: cpu={} runs the CPU backend's full grid)."""
     g = grid(ctx.quick)
     for key in g:
         v = ctx.args.get(key)
         if v is None:
             continue
-        g[key] = {**g[key], **v} if isinstance(g[key], dict) and isinstance(v, dict) else v
+        merge = isinstance(g[key], dict) and isinstance(v, dict) and v
+        g[key] = {**g[key], **v} if merge else v
     g["models"] = check_models(g["models"])
+    # The CPU trims leave alone what the caller chose: a key given explicitly stays as given.
+    if ctx.args.get("cpu") is None:
+        g["cpu"] = {k: v for k, v in g["cpu"].items() if ctx.args.get(k) is None}
+    given = ctx.args.get("code_small") or {}
+    if "cpu" not in given:
+        g["code_small"]["cpu"] = {k: v for k, v in g["code_small"]["cpu"].items()
+                                  if k not in given}
     return g
 
 
@@ -220,7 +229,7 @@ def _run_target(ctx, lib, target, prompts, tg, cpu_trims, n_prompts, reference) 
                             "validation": {"ok": True, "skipped": True}})
             continue
         # On the CPU beside a GPU: the trimmed grid (a check and a floor; the GPU's figures).
-        dg = {**tg, **cpu_trims} if device == "cpu" and "cuda" in ctx.devices else dict(tg)
+        dg = {**tg, **cpu_trims} if device == "cpu" and _gpu(ctx, lib) else dict(tg)
         new_tokens = int(dg["new_tokens"])
         names = [n for n in drafter_dirs if dg["block_random"] or n != "block:random"]
         longest = 64 if prompts is None else max(len(p) for p in prompts)
@@ -337,6 +346,11 @@ def _run_target(ctx, lib, target, prompts, tg, cpu_trims, n_prompts, reference) 
     return {"results": results, "rows": rows, "sample": sample}
 
 
+def _gpu(ctx, lib) -> bool:
+    """The run has a usable GPU (then the CPU backend runs the trimmed grids)."""
+    return "cuda" in ctx.devices and bool(lib.has_cuda) and lib.cuda_device_count() > 0
+
+
 def _sample_budget(budgets) -> int:
     """The budget of the sample continuation: 63 when the grid has it, else the largest."""
     return 63 if 63 in budgets else max(budgets)
@@ -353,7 +367,7 @@ def run(ctx) -> dict:
               "new_tokens": new_tokens, "prompt_seed": PROMPT_SEED, "budgets": g["budgets"],
               "oracle_qualities": g["qualities"], "batches": g["batches"], "reps": g["reps"],
               "devices": list(ctx.devices), "oracle_depth": 15, "block_drafter": g["block"],
-              "cpu_trims": g["cpu"] if "cuda" in ctx.devices else {}}
+              "cpu_trims": g["cpu"] if _gpu(ctx, lib) else {}}
     results, rows = [], []
     for target, prompts, tg, cpu_trims in targets:
         rec = {"weights": describe(target.folder), "engine_weights": str(target.engine_weights),
@@ -368,7 +382,7 @@ def run(ctx) -> dict:
                             "lengths": [len(p) for p in prompts], "seed": PROMPT_SEED,
                             "source": "held-out files of the target's train.json split"},
                 "new_tokens": tg["new_tokens"], "budgets": tg["budgets"], "batches": tg["batches"],
-                "reps": tg["reps"], "cpu_trims": cpu_trims if "cuda" in ctx.devices else {}}
+                "reps": tg["reps"], "cpu_trims": cpu_trims if _gpu(ctx, lib) else {}}
         out = _run_target(ctx, lib, target, prompts, tg, cpu_trims, n_prompts, {})
         results += out["results"]
         rows += out["rows"]

@@ -122,3 +122,21 @@ def test_unknown_model_is_an_error(ctx):
     make, _ = ctx
     with pytest.raises(ValueError, match="models \\['small'\\]"):
         e2e.run(make(models=["small"]))
+
+
+def test_grid_overrides_merge_and_cpu_trims_yield_to_given_keys(tmp_path):
+    import bench
+    from bench import e2e
+
+    def grid(**args):
+        return e2e._grid(bench.Context(out_dir=tmp_path, args=args))
+
+    g = grid()
+    assert g["models"] == ["tiny", "code-small"] and g["code_small"]["budgets"] == [15, 63, 255]
+    assert g["cpu"] == {"qualities": [0.8], "block_random": False, "reps": 1}
+    assert g["code_small"]["cpu"] == {"budgets": [63], "batches": [8], "reps": 1}
+    g = grid(qualities=[0.5], code_small={"reps": 1, "batches": [1]})
+    assert g["qualities"] == [0.5] and g["cpu"] == {"block_random": False, "reps": 1}
+    assert g["code_small"]["reps"] == 1 and g["code_small"]["budgets"] == [15, 63, 255]
+    assert g["code_small"]["cpu"] == {"budgets": [63]}
+    assert grid(cpu={})["cpu"] == {}
