@@ -178,6 +178,8 @@ def _round_plot(view, plt, save):
 def _code_small_plot(view, plt, save):
     """code-small's accept-length histograms (share of rounds per accepted length, the bonus
     included), one line per budget, one panel per batch size."""
+    from matplotlib.ticker import MaxNLocator
+
     from engine.remote.report_code_small import DRAFTER, MODEL
 
     recs = e2e_records(view, MODEL)
@@ -198,6 +200,7 @@ def _code_small_plot(view, plt, save):
                 drawn += 1
         ax.set(xlabel="tokens accepted per round (bonus included)", ylabel="share of rounds",
                title=f"code-small {dev}, bs {b}")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if not drawn:
         plt.close(fig)
         return

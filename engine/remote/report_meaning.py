@@ -325,7 +325,7 @@ def _e2e_lines(view) -> list:
                 if sp is not None and (best is None or sp > best[0]):
                     best = (sp, budget, dr, b)
             rows.append(f"| {budget} | {dr} | " + " | ".join(cells) + " |")
-    out = [f"End to end, DDTree against AR on the same device ({dev}, e2e{_src(view, 'e2e')}): tau = mean "
+    out = [f"End to end on `tiny`, DDTree against AR on the same device ({dev}, e2e{_src(view, 'e2e')}): tau = mean "
            "acceptance length (tokens per round), fwd/tok = target forwards per generated token, "
            "x AR = wall-clock speedup over AR (median of AR over median of DDTree; bold: faster "
            "than AR):", "", head, "|---|---|" + "--:|" * (3 * len(batches))] + rows + [""]
@@ -392,7 +392,7 @@ def _service_lines(view) -> list:
         rows.append(f"| {mode} | {conc} | {_num(tps(r), '.0f')} | {rel} | {us(t.get('p50'))} | "
                     f"{us(t.get('p99'))} | {r.get('errors', '-')} |")
     p = view["suites"]["service"].get("params") or {}
-    return [f"Served (service{_src(view, 'service')}; {p.get('requests', '?')} requests per level, "
+    return [f"Served, `tiny` (service{_src(view, 'service')}; {p.get('requests', '?')} requests per level, "
             f"{p.get('max_tokens', '?')} tokens each, DDTree budget {p.get('budget', '?')}"
             + (f", shrunk while requests x (budget + 1) > {p['round_tokens']}" if p.get("round_tokens") else "")
             + "): aggregate "
