@@ -19,11 +19,12 @@ device, and cached beside the weights: bench/weights.trained_drafter_weights; --
 less) and `block:random` (the seeded untrained one, a cheap floor: tau about 1); with a
 `weights` option, `block`, the drafter stored in that folder as it is. Prompts: seeded random
 ids. When the run also has a GPU, the CPU backend runs tiny's grid trimmed by `cpu` (one
-oracle, no block:random, one rep: there it is a check and a floor, the GPU gives the figures).
+oracle, no block:random, one rep, no profiled pass: there it is a check and a floor, the GPU
+gives the figures and the round breakdown).
 
 Cases, code-small: AR; DDTree at budgets {15, 63, 255} with its trained block drafter
-(`block:trained`), at bs 1 and 8; the CPU beside a GPU: budget 63 at bs 8, one rep (the check
-that AR == DDTree there too). Prompts: `prompts` of 64-128 tokens cut from the held-out files of
+(`block:trained`), at bs 1 and 8; the CPU beside a GPU: budget 15 at bs 8, 32 tokens, one rep
+(the check that AR == DDTree there too: a 512-token verify takes seconds on the CPU backend). Prompts: `prompts` of 64-128 tokens cut from the held-out files of
 its training split (engine.training.corpus.heldout_prompts, seeded). One sample is kept for the
 report: the first prompt and both modes' continuations at budget 63, ids and text (its
 tokenizer.json, decoded as the server decodes).
@@ -44,7 +45,8 @@ Options (ctx.args): `weights` (a folder; then that target alone, with its stored
 default: the tiny model with seed 0 and its block drafter with seed 1, from the weights cache
 of bench/weights.py: weights are inputs and never land in the run folder), and any key of
 `grid()` (`models`, `prompts`, `new_tokens`, `budgets`, `qualities`, `batches`, `reps`,
-`block`, `block_random`, `drafter_steps`, `cpu`, `code_small`: a dict whose keys merge) to
+`block`, `block_random`, `drafter_steps`, `profile`, `cpu`, `code_small`: a dict whose keys
+merge, an empty one clears) to
 override the default grid. params["weights"] records tiny's folder, config and the sha256 of
 every weights file; params["drafters"] each block drafter used (trained or random, steps, data
 source, held-out top-1 accuracy by depth, the target sha256 it is bound to);
@@ -76,17 +78,21 @@ def grid(quick: bool) -> dict:
     if quick:
         return {"budgets": [15, 63], "qualities": [0.5, 0.9], "batches": [1], "prompts": 2,
                 "new_tokens": 32, "reps": 2, "block": True, "block_random": True,
-                "drafter_steps": None, "models": list(MODELS), "cpu": {},
+                "drafter_steps": None, "profile": True, "models": list(MODELS), "cpu": {},
                 "code_small": {"budgets": [15, 63], "batches": [1, 2], "prompts": 2,
                                "prompt_tokens": [16, 24], "new_tokens": 16, "reps": 1,
-                               "minutes": None, "cpu": {}}}
+                               "profile": True, "minutes": None, "cpu": {}}}
     return {"budgets": [15, 63, 255], "qualities": [0.3, 0.6, 0.8, 0.95], "batches": [1, 8],
             "prompts": 8, "new_tokens": 64, "reps": 3, "block": True, "block_random": True,
-            "drafter_steps": None, "models": list(MODELS),
-            "cpu": {"qualities": [0.8], "block_random": False, "reps": 1},
+            "drafter_steps": None, "profile": True, "models": list(MODELS),
+            "cpu": {"qualities": [0.8], "block_random": False, "reps": 1, "profile": False},
+            # code-small on the CPU backend: ~4 s per 512-token verify on a 2-core box, so
+            # budget 15 and 32 tokens (DDTree B=63 at bs 8 took 245 s there with tau 1.1)
             "code_small": {"budgets": [15, 63, 255], "batches": [1, 8], "prompts": 8,
                            "prompt_tokens": [64, 128], "new_tokens": 64, "reps": 3,
-                           "minutes": None, "cpu": {"budgets": [63], "batches": [8], "reps": 1}}}
+                           "profile": True, "minutes": None,
+                           "cpu": {"budgets": [15], "batches": [8], "reps": 1, "new_tokens": 32,
+                                   "profile": False}}}
 
 
 def _grid(ctx) -> dict:
@@ -172,7 +178,7 @@ def _targets(ctx, g) -> list:
     device = "cuda" if "cuda" in ctx.devices else "cpu"  # where drafters / code-small train
     w = ctx.args.get("weights")
     tiny_grid = {k: g[k] for k in ("budgets", "qualities", "batches", "reps", "new_tokens",
-                                   "block_random")}
+                                   "block_random", "profile")}
     if w:
         t = bm.Target("tiny", Path(w), Path(w), {"block": Path(w)})
         return [(t, None, tiny_grid, g["cpu"])]
@@ -187,7 +193,8 @@ def _targets(ctx, g) -> list:
             prompts = bm.code_small_prompts(t, int(cs["prompts"]), cs["prompt_tokens"],
                                             PROMPT_SEED)
             tg = {"budgets": cs["budgets"], "qualities": [], "batches": cs["batches"],
-                  "reps": cs["reps"], "new_tokens": cs["new_tokens"], "block_random": False}
+                  "reps": cs["reps"], "new_tokens": cs["new_tokens"], "block_random": False,
+                  "profile": cs["profile"]}
             out.append((t, [np.asarray(p, np.int64) for p in prompts], tg, cs.get("cpu") or {}))
     return out
 
@@ -236,9 +243,10 @@ def _run_target(ctx, lib, target, prompts, tg, cpu_trims, n_prompts, reference) 
         max_seq = longest + new_tokens + max(dg["budgets"]) + 32
         eng = Engine(target.engine_weights, device=device, max_slots=max(dg["batches"]),
                      max_seq=max_seq)
-        # The same engine with per-phase timing (per-phase graphs on CUDA): the breakdown only.
+        # The same engine with per-phase timing (per-phase graphs on CUDA): the breakdown only
+        # (not on a trimmed CPU grid: the report breaks down the GPU's rounds).
         peng = Engine(target.engine_weights, device=device, max_slots=max(dg["batches"]),
-                      max_seq=max_seq, profile=True)
+                      max_seq=max_seq, profile=True) if dg["profile"] else None
         dev_prompts = _prompts(n_prompts, eng.vocab_size) if prompts is None else prompts
         n_cases = len(dg["batches"]) * (1 + len(dg["budgets"]) * (len(dg["qualities"]) + len(names)))
         done = 0
@@ -301,7 +309,7 @@ def _run_target(ctx, lib, target, prompts, tg, cpu_trims, n_prompts, reference) 
                         sample = _sample(target, tok, dev_prompts[0], ar_tokens[0], got[0],
                                          device, bs, budget)
                 phases = _phases(peng, batches, new_tokens, mode, budget,
-                                 None if mode == "ar" else dr)
+                                 None if mode == "ar" else dr) if peng is not None else {}
                 total = len(dev_prompts) * new_tokens
                 med = float(np.median(s))
                 tau = float(np.mean(out["accept"])) if out["accept"] else 0.0
@@ -342,7 +350,8 @@ def _run_target(ctx, lib, target, prompts, tg, cpu_trims, n_prompts, reference) 
                              round(1e3 * out["round_s"] / max(out["rounds"], 1), 3),
                              "ok" if valid["ok"] else "MISMATCH"])
         eng.close()
-        peng.close()
+        if peng is not None:
+            peng.close()
     return {"results": results, "rows": rows, "sample": sample}
 
 

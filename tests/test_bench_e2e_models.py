@@ -133,10 +133,30 @@ def test_grid_overrides_merge_and_cpu_trims_yield_to_given_keys(tmp_path):
 
     g = grid()
     assert g["models"] == ["tiny", "code-small"] and g["code_small"]["budgets"] == [15, 63, 255]
-    assert g["cpu"] == {"qualities": [0.8], "block_random": False, "reps": 1}
-    assert g["code_small"]["cpu"] == {"budgets": [63], "batches": [8], "reps": 1}
+    assert g["cpu"] == {"qualities": [0.8], "block_random": False, "reps": 1, "profile": False}
+    assert g["code_small"]["cpu"] == {"budgets": [15], "batches": [8], "reps": 1,
+                                      "new_tokens": 32, "profile": False}
     g = grid(qualities=[0.5], code_small={"reps": 1, "batches": [1]})
-    assert g["qualities"] == [0.5] and g["cpu"] == {"block_random": False, "reps": 1}
+    assert g["qualities"] == [0.5] and g["cpu"] == {"block_random": False, "reps": 1,
+                                                    "profile": False}
     assert g["code_small"]["reps"] == 1 and g["code_small"]["budgets"] == [15, 63, 255]
-    assert g["code_small"]["cpu"] == {"budgets": [63]}
+    assert g["code_small"]["cpu"] == {"budgets": [15], "new_tokens": 32, "profile": False}
     assert grid(cpu={})["cpu"] == {}
+
+
+def test_cpu_trims_beside_a_gpu(ctx, monkeypatch):
+    """What the CPU backend runs when the run also has a GPU (faked here: _gpu says yes while
+    only the CPU runs): code-small's trimmed grid, without the profiled pass."""
+    from bench import e2e
+
+    make, _ = ctx
+    monkeypatch.setattr(e2e, "_gpu", lambda ctx, lib: True)
+    trims = {"budgets": [7], "batches": [2], "reps": 1, "new_tokens": 8, "profile": False}
+    out = e2e.run(make(models=["code-small"], code_small=dict(QUICK["code_small"], cpu=trims)))
+    recs = out["results"]
+    assert {(r["mode"], r["budget"], r["batch"]) for r in recs} == {("ar", 0, 2), ("ddtree", 7, 2)}
+    for r in recs:
+        assert r["validation"]["ok"] and r["round"]["phases_ms"] == {} and len(r["samples"]) == 1
+        assert r["rates"]["tokens_per_s"] == pytest.approx(3 * 8 / r["summary"]["median"], rel=1e-12)
+    assert out["params"]["code_small"]["cpu_trims"] == trims
+    assert out["params"]["code_small"]["sample"]["budget"] == 7
