@@ -81,7 +81,7 @@ def test_section_figures(rng):
     assert text.startswith("## code-small: a trained target")
     for b in (1, 8):
         for g in (15, 63, 255):
-            tau, sp, h = cs[("code-small", b, g)]
+            tau, sp, _ = cs[("code-small", b, g)]
             cell = f"{sp:.2f}" if sp <= 1 else f"**{sp:.2f}**"
             assert f"{tau:.2f} | {1 / tau:.3f} | {cell}" in text, (b, g)
     tau63, sp63, h63 = cs[("code-small", 1, 63)]
@@ -91,7 +91,7 @@ def test_section_figures(rng):
     assert f"{ho:.3f} vs {uni:.3f}" in text and f"**{uni - ho:.2f} nats below**" in text
     shares = hist_shares(h63)
     assert abs(sum(shares) - 1) < 1e-12 and len(shares) == len(HIST_BINS)
-    assert f"| 63 | " + " | ".join(f"{100 * x:.0f}%" for x in shares) + f" | {tau63:.2f} |" in text
+    assert "| 63 | " + " | ".join(f"{100 * x:.0f}%" for x in shares) + f" | {tau63:.2f} |" in text
     assert "80,000,000 tokens seen" in text and "1694 for training, 92 held out" in text
     assert "AR == DDTree tokens on code-small: **yes**" in text
     # served rows: code-small's only, DDTree against AR at the same level
@@ -105,7 +105,7 @@ def test_section_figures(rng):
 
 
 def test_section_says_so_when_ddtree_differs_and_tiny_ignores_code_small(rng):
-    suites, cs, *_ = _suites(rng, identical=False, tiny_speedup=0.3)
+    suites, *_ = _suites(rng, identical=False, tiny_speedup=0.3)
     bad = next(r for r in suites["e2e"]["results"]
                if r["model"] == "code-small" and r["mode"] == "ddtree")
     bad["validation"] = {"ok": False, "error": "prompt 0, token 3: x"}

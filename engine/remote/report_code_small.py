@@ -150,7 +150,9 @@ def code_small_lines(view) -> list:
                 f"| held-out loss of the target (nats/token) | below unigram | "
                 f"{_num(ho, '.3f')} vs {_num(uni, '.3f')} |", ""]
     if svc:
-        tps = lambda r: ((r.get("rates") or {}).get("aggregate_tokens_per_s") or {}).get("value")  # noqa: E731
+        def tps(r):
+            return ((r.get("rates") or {}).get("aggregate_tokens_per_s") or {}).get("value")
+
         by = {(r["case"].get("mode"), r["case"].get("concurrency")): r for r in svc}
         rows = []
         for (mode, conc), r in sorted(by.items(), key=lambda kv: (str(kv[0][0]), kv[0][1] or 0)):
