@@ -3,32 +3,41 @@
     python -m bench --suite service --out DIR [--quick] [--device cpu|cuda] [--url URL]
 
 With --url: sweeps the server at URL (any OpenAI-compatible /v1/completions: ours, vLLM's,
-SGLang's). Without: for each mode (AR, then DDTree) starts our server (`python -m engine.serving`)
-on 127.0.0.1 on a free port with the tiny model (`python -m engine.cli.model init`, seed 0, its block drafter
-seed 1, from the weights cache of bench/weights.py, never the run folder; or the `weights`
-option; params["weights"] records folder, config and sha256 per file; DDTree serves with the
-trained block drafter of bench/weights.trained_drafter_weights, recorded in params["drafter"]:
-trained or random, steps, data source, held-out accuracy), on cuda when ctx.devices has it, else cpu; waits for /health;
-checks its tokens against the engine's direct greedy output; sweeps; stops it. Server logs go to
-DIR/service_server_<mode>.log.
+SGLang's). Without: for each target of `models` (bench/models.py: `tiny`, then `code-small`)
+and each mode (AR, then DDTree) starts our server (`python -m engine.serving`) on 127.0.0.1 on a
+free port, on cuda when ctx.devices has it, else cpu: tiny (seed 0, its block drafter seed 1,
+from the weights cache of bench/weights.py, never the run folder; DDTree serves with the trained
+block drafter of bench/weights.trained_drafter_weights) as `kdtree-tiny` with seeded token-id
+prompts; code-small (trained once per host into the cache: bench/weights.code_small_weights;
+--quick: its toy version) as `kdtree-code-small` with TEXT prompts (the server encodes them with
+the folder's tokenizer.json): `code_small_prompt_tokens` (lo,hi) tokens cut from the held-out
+files of its training split and decoded; or, with the `weights` option, that folder alone.
+params["weights"] / params["drafter"] record tiny's folder, config, sha256 per file and drafter
+(trained or random, steps, data source, held-out accuracy); params["code_small"] the same for
+code-small. Each server: /health awaited; its tokens for 3 prompts checked against the engine's
+direct greedy output; the sweep; stop. Server logs go to DIR/service_server[_code-small]_<mode>.log.
 
 The sweep (bench/service_load.py has the measurement and the formulas): one warm-up request,
 then per concurrency level a fixed number of streamed greedy requests with max_tokens each,
 prompts from a seeded generator (fixed seed: runs compare like with like) or a prompts file.
-One record per (server, level) with the raw per-request records (stored compact: integer microseconds and gaps, see
-bench/service_load.py; expand_request reads old and new forms), `samples` = request latencies
-(s), aggregate and per-request tokens/s, TTFT / ITL / TPOT p50, p90, p99, request throughput and
-errors. Validation (`ok`) fails when a token count differs from max_tokens or, for our server,
-when served tokens differ from Engine.generate's AR tokens for the same prompts.
+One record per (target, server, level) with the raw per-request records (stored compact:
+integer microseconds and gaps, see bench/service_load.py; expand_request reads old and new
+forms), `samples` = request latencies (s), aggregate and per-request tokens/s, TTFT / ITL / TPOT
+p50, p90, p99, request throughput and errors; `target` names the model (tiny's records keep the
+case keys of earlier runs; code-small's case has its own model id and prompt lengths).
+Validation (`ok`) fails when a token count differs from max_tokens or, for our server, when
+served tokens differ from Engine.generate's AR tokens for the same prompts.
 
-Options: ctx.args keys, else environment variables KDT_SERVICE_<KEY> (upper case; max_tokens and
-prompt_tokens read KDT_SERVICE_OUTPUT_LEN and KDT_SERVICE_PROMPT_LEN), else the defaults below
-(--quick: QUICK). concurrency (comma list), requests (per level), max_tokens,
-prompt_tokens, prompts (a file: .jsonl {"prompt": ...} lines, or text lines), modes (comma list
-of ar, ddtree), budget (the DDTree node budget, 15), round_tokens (64: the server shrinks a
-round's budget along 15, 7, 3 while requests x (budget + 1) exceeds it and runs AR steps past
-that: budget 15 up to 4 requests, 7 up to 8, 3 up to 16, AR beyond; engine/serving/batcher.py),
-weights, max_batch (default: the largest level), timeout_s (per request).
+Options: ctx.args keys, else environment variables KDT_SERVICE_<KEY> (upper case; max_tokens,
+prompt_tokens and code_small_prompt_tokens read KDT_SERVICE_OUTPUT_LEN, KDT_SERVICE_PROMPT_LEN
+and KDT_SERVICE_CODE_SMALL_PROMPT_LEN), else the defaults below (--quick: QUICK). models (comma
+list of tiny, code-small), concurrency (comma list), requests (per level), max_tokens,
+prompt_tokens (tiny's), code_small_prompt_tokens (lo,hi), prompts (a file: .jsonl {"prompt":
+...} lines, or text lines; tiny's), modes (comma list of ar, ddtree), budget (the DDTree node
+budget, 15), round_tokens (64: the server shrinks a round's budget along 15, 7, 3 while requests
+x (budget + 1) exceeds it and runs AR steps past that: budget 15 up to 4 requests, 7 up to 8, 3
+up to 16, AR beyond; engine/serving/batcher.py), weights, max_batch (default: the largest
+level), timeout_s (per request).
 """
 
 from __future__ import annotations
@@ -46,6 +55,8 @@ import urllib.request
 from pathlib import Path
 
 from bench import REPO_ROOT, format_table
+from bench import models as bm
+from bench.models import check_models
 from bench.service_load import (REQUESTS_FORMAT, compact_request, get_model, load_prompts,
                                 request_once, run_level, seeded_prompts, summarize_level)
 from bench.timing import summarize
@@ -54,10 +65,12 @@ NAME = "service"
 DEFAULTS = {"concurrency": "1,4,8,10,16,32", "requests": 64, "max_tokens": 256,
             "prompt_tokens": 32, "seed": 1234, "prompts": None, "modes": "ar,ddtree",
             "budget": 15, "round_tokens": 64, "weights": None, "max_batch": None,
-            "timeout_s": 600.0}
-QUICK = {**DEFAULTS, "concurrency": "1,4", "requests": 8, "max_tokens": 32}
+            "timeout_s": 600.0, "models": "tiny,code-small", "code_small_prompt_tokens": "64,128"}
+QUICK = {**DEFAULTS, "concurrency": "1,4", "requests": 8, "max_tokens": 32,
+         "code_small_prompt_tokens": "16,24"}
 # Names with "token" in them are refused in host inventories' env (secret filter): lengths instead.
-ENV_NAMES = {"max_tokens": "KDT_SERVICE_OUTPUT_LEN", "prompt_tokens": "KDT_SERVICE_PROMPT_LEN"}
+ENV_NAMES = {"max_tokens": "KDT_SERVICE_OUTPUT_LEN", "prompt_tokens": "KDT_SERVICE_PROMPT_LEN",
+             "code_small_prompt_tokens": "KDT_SERVICE_CODE_SMALL_PROMPT_LEN"}
 VALIDATE_PROMPTS, VALIDATE_TOKENS = 3, 16
 HEALTH_TIMEOUT_S = 300.0  # engine creation + drafter load (+ CUDA context) on a busy host
 
@@ -78,6 +91,10 @@ def options(ctx) -> dict:
         out["concurrency"] = [int(x) for x in (c.split(",") if isinstance(c, str) else c)]
         m = out["modes"]
         out["modes"] = [x.strip() for x in (m.split(",") if isinstance(m, str) else m)]
+        m = out["models"]
+        out["models"] = [x.strip() for x in (m.split(",") if isinstance(m, str) else m)]
+        c = out["code_small_prompt_tokens"]
+        out["code_small_prompt_tokens"] = [int(x) for x in (c.split(",") if isinstance(c, str) else c)]
         if out["max_batch"] is not None:
             out["max_batch"] = int(out["max_batch"])
     except (TypeError, ValueError) as e:
@@ -88,6 +105,10 @@ def options(ctx) -> dict:
     bad = [m for m in out["modes"] if m not in ("ar", "ddtree")]
     if bad:
         raise ValueError(f"service: modes {bad}: expected ar and/or ddtree")
+    out["models"] = check_models(out["models"])
+    lo_hi = out["code_small_prompt_tokens"]
+    if len(lo_hi) != 2 or not 1 <= lo_hi[0] <= lo_hi[1]:
+        raise ValueError(f"service: code_small_prompt_tokens {lo_hi}: need lo,hi with 1 <= lo <= hi")
     return out
 
 
@@ -190,12 +211,16 @@ def slot_rows(prompts: list, max_tokens: int, mode: str, budget: int) -> int:
 
 
 def engine_check(url: str, weights, device: str, prompts: list, max_seq: int = 1024) -> dict:
-    """Served token ids == Engine.generate(mode='ar') for the same prompts (exact)."""
+    """Served token ids == Engine.generate(mode='ar') for the same prompts (exact); text prompts
+    are encoded as the server encodes them (the folder's tokenizer: engine/serving/tokenizer.py)."""
     from engine.native.engine import Engine
+    from engine.serving.tokenizer import load_tokenizer
 
     served = asyncio.run(_served_ids(url, prompts, VALIDATE_TOKENS))
     with Engine(weights, device=device, max_seq=max_seq) as eng:
-        direct = [t.tolist() for t in eng.generate(prompts, VALIDATE_TOKENS, mode="ar").tokens]
+        tok = load_tokenizer(weights, eng.vocab_size)
+        ids = [tok.encode(p) if isinstance(p, str) else p for p in prompts]
+        direct = [t.tolist() for t in eng.generate(ids, VALIDATE_TOKENS, mode="ar").tokens]
     for i, (s, d) in enumerate(zip(served, direct)):
         if s != d:
             return {"ok": False, "error": f"prompt {i}: served {s} != engine {d}"}
@@ -250,53 +275,85 @@ def _records(backend: str, url: str, model: str, levels, opts: dict, extra_case:
     return out
 
 
+def _targets(ctx, opts, device: str) -> list:
+    """[(name, target folder, served folder, served model name or None, prompts, case extras,
+    training record or None)]:
+    tiny with seeded id prompts (or the prompts file), code-small with text prompts cut from its
+    held-out files; a `weights` option serves that folder alone."""
+    if opts["prompts"]:
+        base_prompts = load_prompts(opts["prompts"])
+    else:
+        base_prompts = seeded_prompts(max(opts["requests"], VALIDATE_PROMPTS),
+                                      opts["prompt_tokens"], opts["seed"])
+    ddtree = "ddtree" in opts["modes"]
+    if opts["weights"]:
+        w = Path(opts["weights"])
+        return [("weights", w, w, None, base_prompts, {}, None)]
+    out = []
+    for name in opts["models"]:
+        if name == "tiny":
+            t = bm.tiny(ctx.quick, device, block=ddtree, block_random=False)
+            out.append(("tiny", t.folder, t.engine_weights, "kdtree-tiny", base_prompts, {}, None))
+        else:
+            t = bm.code_small(device, ctx.quick)
+            training = t.training
+            tok = bm.tokenizer(t)
+            ids = bm.code_small_prompts(t, max(opts["requests"], VALIDATE_PROMPTS),
+                                        opts["code_small_prompt_tokens"], opts["seed"])
+            lo, hi = opts["code_small_prompt_tokens"]
+            out.append(("code-small", t.folder, t.engine_weights, "kdtree-code-small",
+                        [tok.decode(p) for p in ids], {"prompt_tokens": f"{lo}-{hi}"}, training))
+    return out
+
+
 def run(ctx) -> dict:
     opts = options(ctx)
     url = ctx.args.get("url")
-    if opts["prompts"]:
-        prompts = load_prompts(opts["prompts"])
-    else:
-        prompts = seeded_prompts(max(opts["requests"], VALIDATE_PROMPTS), opts["prompt_tokens"],
-                                 opts["seed"])
     results = []
+    params = {k: v for k, v in opts.items()} | {
+        "url": url, "prompts_source": opts["prompts"] or f"seeded({opts['seed']})"}
     if url:
         url = url.rstrip("/")
+        prompts = load_prompts(opts["prompts"]) if opts["prompts"] else seeded_prompts(
+            max(opts["requests"], VALIDATE_PROMPTS), opts["prompt_tokens"], opts["seed"])
         model, levels = asyncio.run(sweep(url, prompts, opts, ours=False))
         results += _records("url", url, model, levels, opts, {}, None)
-    else:
-        device = "cuda" if "cuda" in ctx.devices else "cpu"
-        from bench import weights as bw
+        params["models"] = None
+        return {"params": params, "results": results, "table": table(results)}
+    device = "cuda" if "cuda" in ctx.devices else "cpu"
+    from bench import weights as bw
 
-        tiny = not opts["weights"]
-        target = bw.tiny_weights() if tiny else Path(opts["weights"])
-        # The tiny model serves with its trained block drafter (cached beside the weights,
-        # trained once on this device); a `weights` folder with the drafter stored there.
-        weights = target
-        if tiny and "ddtree" in opts["modes"]:
-            weights = bw.trained_drafter_weights(
-                target, bw.DRAFTER_TRAIN_QUICK if ctx.quick else bw.DRAFTER_TRAIN, device=device)
-        opts["weights"] = bw.describe(target)
-        opts["drafter"] = bw.drafter_record(weights) if "ddtree" in opts["modes"] else None
-        max_batch = opts["max_batch"] or max(opts["concurrency"])
-        # A queue as deep as the largest level: a max_batch below it queues, never 429s.
-        max_queue = max(max(opts["concurrency"]), max_batch)
+    targets = _targets(ctx, opts, device)
+    params["models"] = [t[0] for t in targets]
+    max_batch = opts["max_batch"] or max(opts["concurrency"])
+    # A queue as deep as the largest level: a max_batch below it queues, never 429s.
+    max_queue = max(max(opts["concurrency"]), max_batch)
+    for name, target, weights, served_name, prompts, case_extra, training in targets:
+        record = {"weights": bw.describe(target),
+                  "drafter": bw.drafter_record(weights) if "ddtree" in opts["modes"] else None}
+        if name == "code-small":  # tiny's (or the weights option's) stay where they were
+            params["code_small"] = {**record, "served_model": served_name, "training": training,
+                                    "prompts_source": "held-out files of the target's train.json "
+                                    f"split, seed {opts['seed']}, sent as text",
+                                    "prompt_tokens": opts["code_small_prompt_tokens"]}
+        else:
+            params.update(record)
         for mode in opts["modes"]:
-            log = Path(ctx.out_dir) / f"service_server_{mode}.log"
+            tag = "" if name in ("tiny", "weights") else f"_{name}"
+            log = Path(ctx.out_dir) / f"service_server{tag}_{mode}.log"
             rows = slot_rows(prompts, opts["max_tokens"], mode, opts["budget"])
-            extra = (("--served-model-name", "kdtree-tiny") if tiny else ()) + \
+            extra = (("--served-model-name", served_name) if served_name else ()) + \
                 ("--max-seq", str(rows), "--round-tokens", str(opts["round_tokens"]))
             with ServerProcess(weights, mode, opts["budget"], device, max_batch,
                                max_queue, log, extra=extra) as srv:
                 check = engine_check(srv.url, weights, device, prompts[:VALIDATE_PROMPTS], rows)
                 model, levels = asyncio.run(sweep(srv.url, prompts, opts, ours=True))
-            results += _records(f"{mode}/{device}", srv.url, model, levels, opts,
-                                {"mode": mode, "budget": opts["budget"] if mode == "ddtree"
-                                 else None, "round_tokens": opts["round_tokens"] if mode == "ddtree"
-                                 else None, "device": device}, check)
-    return {"params": {k: v for k, v in opts.items()} | {"url": url,
-                                                        "prompts_source": opts["prompts"] or
-                                                        f"seeded({opts['seed']})"},
-            "results": results, "table": table(results)}
+            recs = _records(f"{mode}/{device}", srv.url, model, levels, opts,
+                            {"mode": mode, "budget": opts["budget"] if mode == "ddtree"
+                             else None, "round_tokens": opts["round_tokens"] if mode == "ddtree"
+                             else None, "device": device, **case_extra}, check)
+            results += [dict(r, target=name) for r in recs]
+    return {"params": params, "results": results, "table": table(results)}
 
 
 def _ms(d, key) -> float | None:
@@ -306,13 +363,13 @@ def _ms(d, key) -> float | None:
 def table(results: list) -> str:
     rows = []
     for r in results:
-        rows.append([r["backend"], r["case"]["concurrency"],
+        rows.append([r.get("target") or "-", r["backend"], r["case"]["concurrency"],
                      r["rates"]["aggregate_tokens_per_s"]["value"],
                      (r["per_request_tokens_per_s"] or {}).get("p50"),
                      _ms(r["ttft_s"], "p50"), _ms(r["ttft_s"], "p99"),
                      _ms(r["itl_s"], "p50"), _ms(r["itl_s"], "p99"),
                      r["rates"]["request_throughput"]["value"], r["errors"],
                      "ok" if r["validation"]["ok"] else "FAIL"])
-    return format_table(["server", "conc", "tok/s", "req tok/s p50", "TTFT p50 ms",
+    return format_table(["model", "server", "conc", "tok/s", "req tok/s p50", "TTFT p50 ms",
                          "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "req/s", "errors", "valid"],
                         rows)

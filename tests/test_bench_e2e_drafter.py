@@ -99,7 +99,7 @@ def test_e2e_suite_runs_trained_and_random_block_drafters(cache, tmp_path):
     lib = native().library()
     ctx = bench.Context(out_dir=tmp_path, quick=True, devices=["cpu"], library=lib, args=dict(
         prompts=2, new_tokens=16, budgets=[15], qualities=[1.0], batches=[1], reps=1,
-        drafter_steps=TINY["steps"]))
+        drafter_steps=TINY["steps"], models=["tiny"]))
     out = e2e.run(ctx)
     drafters = out["params"]["drafters"]
     assert set(drafters) == {"block:trained", "block:random"}, drafters

@@ -345,7 +345,7 @@ def test_service_suite_with_its_own_server_and_with_url(ar_server, tmp_path, mon
 
     # max_batch 1 below the level of 3: the suite's server must queue the excess, not 429 it.
     args = {"modes": "ar", "concurrency": "1,3", "requests": 3, "max_tokens": 6,
-            "prompt_tokens": 8, "max_batch": 1}
+            "prompt_tokens": 8, "max_batch": 1, "models": "tiny"}
     for url in (None, ar_server.url):
         ctx = bench.Context(out_dir=tmp_path / str(bool(url)), devices=["cpu"],
                             args={**args, "url": url})

@@ -13,7 +13,9 @@ import pytest
 from aiohttp import web
 
 from engine.serving.batcher import Batcher
-from engine.serving.server import MAX_BODY_BYTES, MAX_JSON_DEPTH, BadRequest, Server, parse_json_body
+from engine.serving.protocol import MAX_BODY_BYTES, MAX_JSON_DEPTH, BadRequest, parse_json_body
+from engine.serving.server import Server
+from engine.serving.tokenizer import ByteTokenizer
 from test_serve_units import FakeEngine
 
 BODIES = [
@@ -33,6 +35,27 @@ BODIES = [
     ('{"prompt": [1], "max_tokens": 1000000000000000000}', 400, "exceeds the context"),
     (b'{"prompt": "' + b"a" * (MAX_BODY_BYTES + 10) + b'"}', 413, "Request Entity Too Large"),
 ]
+# /v1/chat/completions: the same bounded parser, then its own fields.
+CHAT_BODIES = [
+    ('{"messages": [{"role": "user", "content": "hi"}], "max_tokens": ' + "9" * 20 + "}", 400,
+     "digits is out of range"),
+    ('{"messages": ' + "[" * (MAX_JSON_DEPTH + 1) + "]" * (MAX_JSON_DEPTH + 1) + "}", 400, "nested deeper than"),
+    ('{"messages": []}', 400, "non-empty list"),
+    ('{"messages": "hi"}', 400, "non-empty list"),
+    ('{}', 400, "non-empty list"),
+    ('{"messages": [{"role": "robot", "content": "hi"}]}', 400, "messages[0].role"),
+    ('{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}', 400,
+     "text only"),
+    ('{"messages": [{"role": "user", "content": 5}]}', 400, "messages[0].content"),
+    ('{"messages": [{"role": "user", "content": ""}]}', 400, "prompt is empty"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "prompt": "x"}', 400, "unknown field(s) prompt"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "temperature": 0.7}', 400, "greedily only"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "max_completion_tokens": 3}',
+     400, "differ"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}', 400,
+     "max_completion_tokens = 0"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"}', 404, "not served here"),
+]
 
 
 @pytest.fixture
@@ -42,7 +65,7 @@ def server_url(caplog):
     loop = asyncio.new_event_loop()
     batcher = Batcher(FakeEngine(max_seq=1024, step_s=0.005), "ar", budget=7, max_batch=4, max_queue=4)
     batcher.start()
-    runner = web.AppRunner(Server(batcher, "tiny", 512).app(), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(Server(batcher, "tiny", 512, tokenizer=ByteTokenizer(512)).app(), handler_cancellation=True, access_log=None)
     loop.run_until_complete(runner.setup())
     site = web.TCPSite(runner, "127.0.0.1", 0)
     loop.run_until_complete(site.start())
@@ -57,14 +80,18 @@ def no_tracebacks(caplog):
     assert not bad, [f"{r.name}: {r.getMessage()}" for r in bad]
 
 
-@pytest.mark.parametrize("body,status,needle", BODIES, ids=[f"{i}-{n[:20]}" for i, (_, _, n) in enumerate(BODIES)])
-def test_malformed_body_is_a_json_4xx(server_url, caplog, body, status, needle):
+CASES = [("/v1/completions", *b) for b in BODIES] + [("/v1/chat/completions", *b) for b in CHAT_BODIES]
+
+
+@pytest.mark.parametrize("path,body,status,needle", CASES,
+                         ids=[f"{p.split('/')[-1]}-{i}-{n[:20]}" for i, (p, _, _, n) in enumerate(CASES)])
+def test_malformed_body_is_a_json_4xx(server_url, caplog, path, body, status, needle):
     url, run = server_url
 
     async def post():
         async with aiohttp.ClientSession() as s:
             data = body.encode() if isinstance(body, str) else body
-            async with s.post(url + "/v1/completions", data=data,
+            async with s.post(url + path, data=data,
                               headers={"Content-Type": "application/json"}) as r:
                 return r.status, r.headers.get("Content-Type", ""), await r.text()
 

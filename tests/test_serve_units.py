@@ -1,5 +1,6 @@
-"""Server pieces without the native engine: the byte tokenizer, request parsing (greedy only,
-errors naming the field) and the continuous-batching worker over a fake engine."""
+"""Server pieces without the native engine: the byte and BPE tokenizers, request parsing of
+completions and chat (greedy only, errors naming the field) and the continuous-batching worker
+over a fake engine."""
 
 from __future__ import annotations
 
@@ -8,13 +9,15 @@ import secrets
 import threading
 import time
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.serving.batcher import Batcher, Overloaded, Unavailable
-from engine.serving.server import BadRequest, parse_completion
-from engine.serving.tokenizer import ByteTokenizer
+from engine.serving.protocol import BadRequest, parse_chat, parse_completion
+from engine.serving.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
+from bpe_helpers import TEXTS, train_tokenizer
 
 VOCAB = 512
 TOK = ByteTokenizer(VOCAB)
@@ -48,6 +51,75 @@ def test_tokenizer_non_byte_ids_and_small_vocab():
     assert TOK.decode([104, 300, 105]) == "h<|300|>i"
     with pytest.raises(ValueError, match="vocab_size = 100"):
         ByteTokenizer(100)
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    from tokenizers import Tokenizer
+
+    path = train_tokenizer(tmp_path_factory.mktemp("bpe") / "tokenizer.json")
+    return BPETokenizer(path, VOCAB), Tokenizer.from_file(str(path)), path
+
+
+def test_bpe_round_trip_and_agrees_with_the_library(bpe):
+    tok, lib, _ = bpe
+    for text in TEXTS + ["", "x", "\x00\t\r\n", "never seen: \u00e6\u00f8\u00e5 \U0001f600 \u0915\u094d\u0937"]:
+        ids = tok.encode(text)
+        assert ids == lib.encode(text, add_special_tokens=False).ids
+        assert tok.decode(ids) == text
+    assert len(tok.encode(TEXTS[0])) < len(TEXTS[0].encode()) / 2  # merges learned: not bytes
+    seed = secrets.randbelow(2**31)
+    rng = np.random.default_rng(seed)
+    n = lib.get_vocab_size()
+    for _ in range(300):  # any ids, invalid UTF-8 and special tokens included
+        ids = rng.integers(0, n, size=int(rng.integers(0, 12))).tolist()
+        assert tok.decode(ids) == lib.decode(ids, skip_special_tokens=False), (seed, ids)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(min_size=1), st.data())
+def test_bpe_stream_any_split_equals_whole(bpe_tok, text, data):
+    """Chunks split anywhere (inside characters too: a token may end mid-character) decode to
+    the whole text."""
+    ids = bpe_tok.encode(text)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(ids)), max_size=6)))
+    dec, out, prev = bpe_tok.stream_decoder(), [], 0
+    for c in cuts + [len(ids)]:
+        out.append(dec.feed(ids[prev:c]))
+        prev = c
+    out.append(dec.feed([], final=True))
+    assert "".join(out) == text
+
+
+@pytest.fixture(scope="module")
+def bpe_tok(bpe):
+    return bpe[0]
+
+
+def test_bpe_ids_beyond_the_tokenizer_and_bad_files(bpe, tmp_path):
+    tok, lib, path = bpe
+    n = lib.get_vocab_size()
+    assert tok.decode(tok.encode("ab") + [n, VOCAB - 1]) == f"ab<|{n}|><|{VOCAB - 1}|>"
+    with pytest.raises(ValueError, match=f"the tokenizer has {n} ids but the model's vocab_size is 100"):
+        BPETokenizer(path, 100)
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="not a tokenizers JSON file"):
+        BPETokenizer(bad, VOCAB)
+    import json as _json
+
+    doc = _json.loads(path.read_text())
+    doc["decoder"] = None
+    bad.write_text(_json.dumps(doc))
+    with pytest.raises(ValueError, match="byte-level BPE"):
+        BPETokenizer(bad, VOCAB)
+
+
+def test_load_tokenizer_prefers_the_folder_file(bpe, tmp_path):
+    assert isinstance(load_tokenizer(tmp_path, VOCAB), ByteTokenizer)
+    assert load_tokenizer(tmp_path, 100) is None
+    (tmp_path / "tokenizer.json").write_bytes(bpe[2].read_bytes())
+    assert isinstance(load_tokenizer(tmp_path, VOCAB), BPETokenizer)
 
 
 # ------------------------------------------------------------------ request parsing
@@ -102,6 +174,46 @@ def test_parse_rejects_naming_the_field(body, param, status):
 def test_parse_text_needs_a_byte_vocabulary():
     with pytest.raises(BadRequest, match="token ids"):
         parse_completion({"prompt": "x"}, 100, None, "tiny")
+
+
+def test_parse_text_through_the_bpe(bpe_tok):
+    r = parse({"prompt": TEXTS[0], "max_tokens": 3}, bpe_tok)
+    assert r["prompt"] == bpe_tok.encode(TEXTS[0]) and len(r["prompt"]) < len(TEXTS[0])
+
+
+def test_parse_chat_joins_the_messages_in_order(bpe_tok):
+    msgs = [{"role": "system", "content": "# a helper\n"},
+            {"role": "user", "content": [{"type": "text", "text": "def add(a, b):"},
+                                         {"type": "text", "text": "\n    return"}]}]
+    r = parse_chat({"messages": msgs, "max_completion_tokens": 7, "stream": True,
+                    "temperature": 0, "logprobs": False, "model": "tiny"}, VOCAB, bpe_tok, "tiny")
+    assert r == {"prompt": bpe_tok.encode("# a helper\ndef add(a, b):\n    return"),
+                 "max_tokens": 7, "stream": True, "usage_chunk": False}
+    r = parse_chat({"messages": msgs[1:], "max_tokens": 4, "max_completion_tokens": 4}, VOCAB,
+                   bpe_tok, "tiny")
+    assert r["max_tokens"] == 4
+
+
+@pytest.mark.parametrize("body, param, status", [
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs", 400),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools", 400),
+    ({"messages": [{"role": "user", "content": "x"}], "echo": False}, "echo", 400),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens", 400),
+    ({"messages": [{"role": "user"}]}, "messages", 400),
+    ({"messages": [{"role": "user", "content": "x", "extra": 1}]}, "messages", 400),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages", 400),
+    ({"messages": None}, "messages", 400),
+])
+def test_parse_chat_rejects_naming_the_field(bpe_tok, body, param, status):
+    with pytest.raises(BadRequest) as e:
+        parse_chat(body, VOCAB, bpe_tok, "tiny")
+    assert e.value.param == param and e.value.status == status, str(e.value)
+    assert param in str(e.value)
+
+
+def test_parse_chat_needs_a_tokenizer():
+    with pytest.raises(BadRequest, match="chat needs text"):
+        parse_chat({"messages": [{"role": "user", "content": "x"}]}, 100, None, "tiny")
 
 
 # ------------------------------------------------------------------ batcher over a fake engine

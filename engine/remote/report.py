@@ -10,6 +10,8 @@ run ids sort by time), says how many folders it skipped, and writes:
     intersecting started..finished windows, engine/remote/compare.find_overlaps): each measured
     the other's load;
   - "What this means" (engine/remote/report_meaning.py), computed from the chosen suites only;
+  - the code-small section (engine/remote/report_code_small.py): the trained target's training
+    record, tau, accept lengths, speedups, served rows and a sample continuation;
   - plots beside the page (engine/remote/report_figures.py);
   - each chosen suite's table, and a history table with one line per run.
 The page and the plots depend only on the JSON files, so regenerating them twice gives the
@@ -24,6 +26,7 @@ from pathlib import Path
 __all__ = ["write_report", "load_runs", "headline", "choose_suites"]
 
 from engine.remote.compare import _parse_utc, find_overlaps, read_suites, run_window
+from engine.remote.report_code_small import code_small_lines
 from engine.remote.report_figures import plots as _plots
 from engine.remote.report_meaning import KIMI_LAYERS, ceilings, headline, meaning, pct, timed, us
 
@@ -276,6 +279,7 @@ def write_report(host_results_dir, docs_dir) -> Path:
     lines += ["## What this means", ""] + meaning(view)
     if lines[-1] != "":
         lines.append("")
+    lines += code_small_lines(view)  # the trained target, when a chosen suite ran it
     if plots:
         lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
     lines += ["## Tables", ""]

@@ -1,8 +1,9 @@
 """The PNG plots of docs/BENCHMARKS_<host>.md (engine/remote/report.py): tree-build latency
 against batch and budget, its speedup over the SGLang-style path, verify attention against
-prefix, e2e speedup over AR against budget per drafter, service tokens/s against concurrency,
-and the headline speedups across runs. `view` is report_meaning's {"suites", "from"}. PNGs carry
-no timestamp, so regenerating gives the same bytes.
+prefix, e2e speedup over AR against budget per drafter, service tokens/s against concurrency
+(per target), code-small's accept-length histograms, and the headline speedups across runs.
+`view` is report_meaning's {"suites", "from"}. PNGs carry no timestamp, so regenerating gives
+the same bytes.
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine.remote.report_meaning import (ROUND_PHASES, e2e_device, e2e_drafters, e2e_find,
-                                          headline, median, round_drafter, round_phases,
-                                          sglang_backend, timed, tree_records)
+                                          e2e_records, headline, median, round_drafter,
+                                          round_phases, service_records, sglang_backend, timed,
+                                          tree_records)
 
 
 def plots(view, runs, docs_dir: Path, host: str) -> list:
@@ -93,6 +95,7 @@ def plots(view, runs, docs_dir: Path, host: str) -> list:
     _e2e_plot(view, plt, save)
     _round_plot(view, plt, save)
     _service_plot(view, plt, save)
+    _code_small_plot(view, plt, save)
     hist = [(i, headline(r)) for i, r in enumerate(runs)]
     if sum(1 for _, h in hist if h) >= 2:
         fig, ax = plt.subplots(figsize=(6, 3.4))
@@ -138,7 +141,7 @@ def _tree_kernels_plot(view, plt, save):
 def _e2e_plot(view, plt, save):
     from matplotlib.ticker import FuncFormatter, NullFormatter
 
-    recs = list(timed(view["suites"].get("e2e")))
+    recs = e2e_records(view)
     dev = e2e_device(view)
     if not recs or not dev:
         return
@@ -173,7 +176,7 @@ def _round_plot(view, plt, save):
     """Where a round's time goes: a stacked bar per budget (the phases of round.PHASES, ms per
     round from the profiled engine) with the AR step beside them, one panel per batch size; a
     dot marks the plain engine's whole-graph round."""
-    recs = list(timed(view["suites"].get("e2e")))
+    recs = e2e_records(view)
     dev = e2e_device(view)
     dr = round_drafter(recs)
     if not recs or not dev or not dr:
@@ -206,18 +209,57 @@ def _round_plot(view, plt, save):
     save(fig, "rounds")
 
 
+def _code_small_plot(view, plt, save):
+    """code-small's accept-length histograms (share of rounds per accepted length, the bonus
+    included), one line per budget, one panel per batch size."""
+    from matplotlib.ticker import MaxNLocator
+
+    from engine.remote.report_code_small import DRAFTER, MODEL
+
+    recs = e2e_records(view, MODEL)
+    dev = e2e_device(view, MODEL)
+    if not recs or not dev:
+        return
+    batches = sorted({r["batch"] for r in recs if r.get("backend") == dev})
+    budgets = sorted({r.get("budget") for r in recs if r.get("mode") == "ddtree"})
+    fig, axes = plt.subplots(1, len(batches), figsize=(4.5 * len(batches), 3.4), squeeze=False)
+    drawn = 0
+    for ax, b in zip(axes[0], batches):
+        for g in budgets:
+            r = e2e_find(recs, dev, b, "ddtree", g, DRAFTER)
+            hist = (r or {}).get("accept_hist") or []
+            if sum(hist):
+                ax.plot(range(1, len(hist)), [h / sum(hist) for h in hist[1:]], marker="o",
+                        ms=3, label=f"B={g} (tau {r['rates']['mean_accept_length']:.2f})")
+                drawn += 1
+        ax.set(xlabel="tokens accepted per round (bonus included)", ylabel="share of rounds",
+               title=f"code-small {dev}, bs {b}")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if not drawn:
+        plt.close(fig)
+        return
+    axes[0][0].legend(fontsize=7)
+    save(fig, "code_small_accept")
+
+
 def _service_plot(view, plt, save):
+    """Aggregate tokens/s against concurrency, one line per (target, mode)."""
     from matplotlib.ticker import NullFormatter
 
-    recs = list(timed(view["suites"].get("service")))
-    if not recs:
+    lines = [(t, service_records(view, t)) for t in ("tiny", "code-small")]
+    lines = [(t, recs) for t, recs in lines if recs]
+    if not lines:
         return
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
-    for mode in sorted({r["case"].get("mode") for r in recs}, key=str):
-        pts = sorted((r["case"]["concurrency"], r["rates"]["aggregate_tokens_per_s"]["value"])
-                     for r in recs if r["case"].get("mode") == mode)
-        ax.plot(*zip(*pts), marker="o", label=str(mode))
-    levels = sorted({r["case"]["concurrency"] for r in recs})
+    levels = set()
+    for t, recs in lines:
+        for mode in sorted({r["case"].get("mode") for r in recs}, key=str):
+            pts = sorted((r["case"]["concurrency"], r["rates"]["aggregate_tokens_per_s"]["value"])
+                         for r in recs if r["case"].get("mode") == mode)
+            levels |= {c for c, _ in pts}
+            ax.plot(*zip(*pts), marker="o", ls="-" if t == "tiny" else "--",
+                    label=str(mode) if len(lines) == 1 else f"{t} {mode}")
+    levels = sorted(levels)
     ax.set(xscale="log", xlabel="concurrent requests", ylabel="aggregate tokens/s",
            title="service: throughput")
     ax.set_xticks(levels, [str(c) for c in levels])

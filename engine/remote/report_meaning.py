@@ -37,6 +37,19 @@ def timed(doc, bench=None):
             yield r
 
 
+def e2e_records(view, model: str = "tiny") -> list:
+    """The timed e2e records of one target (`model`; records of runs before the model dimension
+    have none and are tiny's)."""
+    return [r for r in timed(view["suites"].get("e2e")) if (r.get("model") or "tiny") == model]
+
+
+def service_records(view, target: str = "tiny") -> list:
+    """The timed service records of one target (`target`; older records have none: tiny's, or
+    the `weights` option's folder)."""
+    return [r for r in timed(view["suites"].get("service"))
+            if (r.get("target") or "tiny") in ((target, "weights") if target == "tiny" else (target,))]
+
+
 def tree_records(view) -> list:
     """Tree-build records: the head-to-head suite, else the kernels suite's tree_build."""
     recs = list(timed(view["suites"].get("tree_build"), "tree_build"))
@@ -114,8 +127,8 @@ def _rate(r, key):
     return v if isinstance(v, (int, float)) else None
 
 
-def e2e_device(view) -> str | None:
-    devs = {r.get("backend") for r in timed(view["suites"].get("e2e"))}
+def e2e_device(view, model: str = "tiny") -> str | None:
+    devs = {r.get("backend") for r in e2e_records(view, model)}
     return next((d for d in ("cuda", "cpu") if d in devs), None)
 
 
@@ -194,7 +207,7 @@ def _tree_lines(view) -> list:
 def _step_lines(view) -> list:
     recs_t = tree_records(view)
     nat, sg = native_backend(recs_t), sglang_backend(recs_t)
-    e2e = list(timed(view["suites"].get("e2e")))
+    e2e = e2e_records(view)
     dev = e2e_device(view)
     if not e2e or not nat or not dev:
         return []
@@ -318,7 +331,7 @@ def _num(x, fmt) -> str:
 
 
 def _e2e_lines(view) -> list:
-    e2e = list(timed(view["suites"].get("e2e")))
+    e2e = e2e_records(view)
     dev = e2e_device(view)
     if not e2e or not dev:
         return []
@@ -339,7 +352,7 @@ def _e2e_lines(view) -> list:
                 if sp is not None and (best is None or sp > best[0]):
                     best = (sp, budget, dr, b)
             rows.append(f"| {budget} | {dr} | " + " | ".join(cells) + " |")
-    out = [f"End to end, DDTree against AR on the same device ({dev}, e2e{_src(view, 'e2e')}): tau = mean "
+    out = [f"End to end on `tiny`, DDTree against AR on the same device ({dev}, e2e{_src(view, 'e2e')}): tau = mean "
            "acceptance length (tokens per round), fwd/tok = target forwards per generated token, "
            "x AR = wall-clock speedup over AR (median of AR over median of DDTree; bold: faster "
            "than AR):", "", head, "|---|---|" + "--:|" * (3 * len(batches))] + rows + [""]
@@ -365,7 +378,7 @@ def round_phases(r) -> dict | None:
 
 
 def _round_lines(view) -> list:
-    e2e = list(timed(view["suites"].get("e2e")))
+    e2e = e2e_records(view)
     dev = e2e_device(view)
     dr = round_drafter(e2e)
     if not e2e or not dev or not dr:
@@ -393,7 +406,7 @@ def _round_lines(view) -> list:
 
 
 def _service_lines(view) -> list:
-    recs = list(timed(view["suites"].get("service")))
+    recs = service_records(view)
     if not recs:
         return []
     tps = lambda r: ((r.get("rates") or {}).get("aggregate_tokens_per_s") or {}).get("value")  # noqa: E731
@@ -406,7 +419,7 @@ def _service_lines(view) -> list:
         rows.append(f"| {mode} | {conc} | {_num(tps(r), '.0f')} | {rel} | {us(t.get('p50'))} | "
                     f"{us(t.get('p99'))} | {r.get('errors', '-')} |")
     p = view["suites"]["service"].get("params") or {}
-    return [f"Served (service{_src(view, 'service')}; {p.get('requests', '?')} requests per level, "
+    return [f"Served, `tiny` (service{_src(view, 'service')}; {p.get('requests', '?')} requests per level, "
             f"{p.get('max_tokens', '?')} tokens each, DDTree budget {p.get('budget', '?')}"
             + (f", shrunk while requests x (budget + 1) > {p['round_tokens']}" if p.get("round_tokens") else "")
             + "): aggregate "

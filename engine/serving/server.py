@@ -4,13 +4,17 @@
         --device cpu|cuda [--max-batch 32] [--max-queue 64] [--bind 127.0.0.1] [--debug-hooks]
 
 Endpoints (docs/SERVING.md):
-  POST /v1/completions  prompt as a string (byte tokenizer, engine/serving/tokenizer.py) or token ids;
+  POST /v1/completions  prompt as a string (the weights folder's tokenizer.json, else the byte
+                        tokenizer: engine/serving/tokenizer.py) or token ids;
                         max_tokens (default 16); stream (server-sent events ending with
                         `data: [DONE]`, stream_options.include_usage for a usage chunk). Each
                         choice carries `token_ids`, the generated ids. Greedy only: a sampling
                         setting other than greedy (temperature != 0, top_p != 1, n != 1, ...)
                         is a 400. There is no EOS: every request gets exactly max_tokens tokens
                         (finish_reason "length").
+  POST /v1/chat/completions  messages (text; the prompt is their contents in order: no chat
+                        template, engine/serving/protocol.py); the same settings; each choice
+                        carries message.content (delta.content streamed) and token_ids.
   GET  /v1/models       the one served model
   GET  /health          200 with the batcher's counters while the worker runs, else 503
   POST /debug/pause     only with --debug-hooks (tests): hold the decode steps (Batcher.pause:
@@ -36,35 +40,12 @@ from pathlib import Path
 
 from aiohttp import web
 
-from engine.jsondepth import json_depth
 from engine.serving.batcher import Batcher, Overloaded, Unavailable
-from engine.serving.tokenizer import ByteTokenizer
+from engine.serving.protocol import (MAX_BODY_BYTES, BadRequest, parse_chat, parse_completion,
+                                     parse_json_body)
+from engine.serving.tokenizer import load_tokenizer
 
-DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-MAX_BODY_BYTES = 4 << 20  # a completion request is a prompt: 4 MiB is ~a million token ids
-MAX_JSON_DEPTH = 16       # the deepest valid body is 3 levels (prompt: [[ids]])
-MAX_INT_DIGITS = 19       # integers within int64; a 5,000-digit max_tokens is a 400, not a 500
 OWNER = "kdtree-engine"
-
-# Fields that must hold their greedy value (or be absent / null): name -> allowed values.
-GREEDY_ONLY = {
-    "temperature": (0, 0.0), "top_p": (1, 1.0), "top_k": (-1, 0, 1), "min_p": (0, 0.0),
-    "n": (1,), "best_of": (1,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
-    "repetition_penalty": (1, 1.0), "echo": (False,), "logprobs": (), "suffix": (),
-    "use_beam_search": (False,),
-}
-# Fields accepted and ignored: they do not change greedy output without an EOS token.
-IGNORED = {"user", "seed", "ignore_eos", "min_tokens", "skip_special_tokens",
-           "spaces_between_special_tokens", "return_token_ids", "stop_token_ids", "stop",
-           "logit_bias"}
-KNOWN = {"model", "prompt", "max_tokens", "stream", "stream_options"} | set(GREEDY_ONLY) | IGNORED
-
-
-class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 code: str = "invalid_request"):
-        super().__init__(message)
-        self.param, self.status, self.code = param, status, code
 
 
 def error_response(status: int, message: str, param=None, code=None, headers=None) -> web.Response:
@@ -74,126 +55,24 @@ def error_response(status: int, message: str, param=None, code=None, headers=Non
                              status=status, headers=headers)
 
 
-def _bounded_int(s: str) -> int:
-    if len(s.lstrip("-")) > MAX_INT_DIGITS:
-        raise BadRequest(f"a number of {len(s.lstrip('-'))} digits is out of range "
-                         f"(at most {MAX_INT_DIGITS})")
-    return int(s)
-
-
-def _finite_float(s: str) -> float:
-    x = float(s)
-    if x != x or x in (float("inf"), float("-inf")):
-        raise BadRequest(f"the number {s[:40]} is out of range")
-    return x
-
-
-def _no_constant(s: str):
-    raise BadRequest(f"{s} is not valid JSON")
-
-
-def parse_json_body(raw: bytes):
-    """The request body as JSON within bounds; BadRequest (400) for anything else."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise BadRequest(f"the request body is not UTF-8: {e.reason} at byte {e.start}") from None
-    if json_depth(text) > MAX_JSON_DEPTH:
-        raise BadRequest(f"the request body is nested deeper than {MAX_JSON_DEPTH} levels")
-    try:
-        return json.loads(text, parse_int=_bounded_int, parse_float=_finite_float,
-                          parse_constant=_no_constant)
-    except (ValueError, RecursionError) as e:
-        raise BadRequest(f"the request body is not valid JSON: {e}") from None
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _same(v, a) -> bool:
-    """v == a without bool/number confusion (JSON true is not 1)."""
-    if isinstance(v, bool) or isinstance(a, bool):
-        return v is a
-    return isinstance(v, (int, float)) and v == a
-
-
-def parse_completion(body, vocab_size: int, tokenizer, model_name: str) -> dict:
-    """Checks a /v1/completions body; returns {prompt (ids), max_tokens, stream, usage_chunk}.
-    Raises BadRequest naming the field."""
-    if not isinstance(body, dict):
-        raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
-    unknown = sorted(set(body) - KNOWN)
-    if unknown:
-        raise BadRequest(f"unknown field(s) {', '.join(unknown)}", unknown[0])
-    model = body.get("model")
-    if model is not None and model != model_name:
-        raise BadRequest(f"model {model!r} is not served here (this server has {model_name!r})",
-                         "model", 404, "model_not_found")
-    for name, allowed in GREEDY_ONLY.items():
-        v = body.get(name)
-        if v is not None and not any(_same(v, a) for a in allowed):
-            raise BadRequest(f"{name} = {v!r}: this server decodes greedily only "
-                             f"(allowed: {', '.join(map(repr, allowed)) or 'null'})", name)
-    stop = body.get("stop")
-    if stop not in (None, "", []):
-        raise BadRequest(f"stop = {stop!r}: stop sequences are not supported", "stop")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one prompt
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise BadRequest(f"text prompts need a vocabulary of >= 256 tokens (this model has "
-                             f"{vocab_size}); send token ids", "prompt")
-        ids = tokenizer.encode(prompt)
-    elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
-        ids = prompt
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise BadRequest(f"prompt token id {bad[0]} is outside [0, {vocab_size})", "prompt")
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise BadRequest(f"one prompt per request, got a batch of {len(prompt)}", "prompt")
-    elif prompt is None:
-        raise BadRequest("prompt is required", "prompt")
-    else:
-        raise BadRequest("prompt must be a string or a list of token ids", "prompt")
-    if not ids:
-        raise BadRequest("prompt is empty (need at least one token)", "prompt")
-    max_tokens = body.get("max_tokens")
-    if max_tokens is None:
-        max_tokens = DEFAULT_MAX_TOKENS
-    if not _is_int(max_tokens) or max_tokens < 1:
-        raise BadRequest(f"max_tokens = {max_tokens!r}: need an integer >= 1", "max_tokens")
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise BadRequest(f"stream = {stream!r}: need true or false", "stream")
-    opts = body.get("stream_options")
-    if opts is not None and (not isinstance(opts, dict) or set(opts) - {"include_usage",
-                                                                         "continuous_usage_stats"}):
-        raise BadRequest(f"stream_options = {opts!r}: only include_usage is supported",
-                         "stream_options")
-    return {"prompt": ids, "max_tokens": max_tokens, "stream": stream,
-            "usage_chunk": bool((opts or {}).get("include_usage"))}
-
-
 class Server:
-    """The aiohttp application around one Batcher."""
+    """The aiohttp application around one Batcher. tokenizer: engine/serving/tokenizer.py's
+    load_tokenizer result for the weights (None: token ids only)."""
 
     def __init__(self, batcher: Batcher, model_name: str, vocab_size: int,
-                 instance_id: str | None = None, debug_hooks: bool = False):
+                 instance_id: str | None = None, debug_hooks: bool = False, tokenizer=None):
         self.batcher, self.model_name, self.vocab_size = batcher, model_name, vocab_size
         self.debug_hooks = debug_hooks
         # Names this process in /health, so a starter that finds another server on the port it
         # asked for can tell (engine/remote/serve.py).
         self.instance_id = instance_id or uuid.uuid4().hex
-        self.tokenizer = ByteTokenizer(vocab_size) if vocab_size >= 256 else None
+        self.tokenizer = tokenizer
         self.created = int(time.time())
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._json_errors], client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         if self.debug_hooks:
@@ -221,7 +100,8 @@ class Server:
                 "instance_id": self.instance_id,
                 "mode": self.batcher.mode, "budget": self.batcher.budget,
                 "max_batch": self.batcher.max_batch, "max_queue": self.batcher.max_queue,
-                "device": self.batcher.engine.device, "stats": stats}
+                "device": self.batcher.engine.device,
+                "tokenizer": getattr(self.tokenizer, "name", None), "stats": stats}
         if not self.batcher.alive():
             body["error"] = self.batcher.error or "shutting down"
             return web.json_response(body, status=503)
@@ -242,9 +122,15 @@ class Server:
             "max_model_len": self.batcher.engine.max_seq}]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, parse_completion, chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, parse_chat, chat=True)
+
+    async def _serve(self, request: web.Request, parse, chat: bool) -> web.StreamResponse:
         raw = await request.read()  # over MAX_BODY_BYTES: 413 through _json_errors
         try:
-            req = parse_completion(parse_json_body(raw), self.vocab_size, self.tokenizer, self.model_name)
+            req = parse(parse_json_body(raw), self.vocab_size, self.tokenizer, self.model_name)
             job = self.batcher.submit(req["prompt"], req["max_tokens"], asyncio.get_running_loop())
         except BadRequest as e:
             return error_response(e.status, str(e), e.param, e.code)
@@ -255,12 +141,13 @@ class Server:
                                   headers={"Retry-After": "1"})
         except Unavailable as e:
             return error_response(503, f"server unavailable: {e}", code="unavailable")
-        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+                "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": self.model_name}
         try:
             if req["stream"]:
-                return await self._stream(request, job, head, req)
-            return await self._whole(job, head, req)
+                return await self._stream(request, job, head, req, chat)
+            return await self._whole(job, head, req, chat)
         except ConnectionResetError:  # the client went away mid-stream: not an error of ours
             return web.Response(status=499)
         finally:
@@ -270,7 +157,23 @@ class Server:
         p = len(req["prompt"])
         return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
 
-    async def _whole(self, job, head, req) -> web.Response:
+    @staticmethod
+    def _choice(chat: bool, text: str, ids: list, finish, first: bool = False,
+                stream: bool = False) -> dict:
+        """One choice: a completion's {text, token_ids}; a chat's message (whole) or delta
+        (streamed; the first delta names the role), with token_ids beside it."""
+        if not chat:
+            return {"index": 0, "text": text, "token_ids": ids, "logprobs": None,
+                    "finish_reason": finish}
+        if not stream:
+            return {"index": 0, "message": {"role": "assistant", "content": text},
+                    "token_ids": ids, "logprobs": None, "finish_reason": finish}
+        delta = {"role": "assistant", "content": text} if first else (
+            {"content": text} if text or finish is None else {})
+        return {"index": 0, "delta": delta, "token_ids": ids, "logprobs": None,
+                "finish_reason": finish}
+
+    async def _whole(self, job, head, req, chat: bool) -> web.Response:
         ids = []
         while True:
             kind, value = await job.queue.get()
@@ -280,15 +183,16 @@ class Server:
                 return error_response(500, value, code="engine_error")
             else:
                 text = self.tokenizer.decode(ids) if self.tokenizer else ""
-                return web.json_response({**head, "choices": [{
-                    "index": 0, "text": text, "token_ids": ids, "logprobs": None,
-                    "finish_reason": value}], "usage": self._usage(req, len(ids))})
+                return web.json_response({**head, "choices": [self._choice(chat, text, ids, value)],
+                                          "usage": self._usage(req, len(ids))})
 
-    async def _stream(self, request, job, head, req) -> web.StreamResponse:
+    async def _stream(self, request, job, head, req, chat: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
         dec = self.tokenizer.stream_decoder() if self.tokenizer else None
+        if chat:
+            head = {**head, "object": "chat.completion.chunk"}
         n = 0
 
         async def send(obj) -> None:
@@ -297,18 +201,17 @@ class Server:
         while True:
             kind, value = await job.queue.get()
             if kind == "tokens":
+                await send({**head, "choices": [self._choice(
+                    chat, dec.feed(value) if dec else "", value, None, first=n == 0, stream=True)]})
                 n += len(value)
-                await send({**head, "choices": [{
-                    "index": 0, "text": dec.feed(value) if dec else "", "token_ids": value,
-                    "logprobs": None, "finish_reason": None}]})
             elif kind == "error":  # headers are sent: report in-band, as OpenAI servers do
                 await send({"error": {"message": value, "type": "server_error", "param": None,
                                       "code": "engine_error"}})
                 break
             else:
-                await send({**head, "choices": [{
-                    "index": 0, "text": dec.feed([], final=True) if dec else "", "token_ids": [],
-                    "logprobs": None, "finish_reason": value}]})
+                await send({**head, "choices": [self._choice(
+                    chat, dec.feed([], final=True) if dec else "", [], value, first=n == 0,
+                    stream=True)]})
                 if req["usage_chunk"]:
                     await send({**head, "choices": [], "usage": self._usage(req, n)})
                 break
@@ -328,9 +231,10 @@ def build(weights, mode: str = "ar", budget: int = 63, device: str = "cpu", max_
     if mode == "ddtree":
         engine.block_drafter()  # load it now, not inside the first request
     batcher = Batcher(engine, mode, budget, max_batch, max_queue, round_tokens=round_tokens)
+    tokenizer = load_tokenizer(weights, engine.vocab_size)
     batcher.start()
     return Server(batcher, model_name or Path(weights).resolve().name, engine.vocab_size,
-                  instance_id, debug_hooks)
+                  instance_id, debug_hooks, tokenizer)
 
 
 async def serve(server: Server, bind: str, port: int, log=sys.stdout) -> None:
