@@ -28,14 +28,16 @@
 // Accumulation is fp32 throughout (dot products, d, o) with bf16 inputs converted exactly.
 //
 // nvcc 13.0 -O3 -Xptxas -v: SIMT kernels (prefix / tree pass) sm_90 233-237 / 253-255
-// registers, sm_120 189-192 / 255, no spills, 1 block (8 warps) per SM; mma kernel 64 rows x 4
-// stages / 32 rows x 3 stages: sm_90 228 / 227 registers, sm_120 170 / 168, no spills; merge
-// kernel 52 (sm_90) / 62 (sm_120).
+// registers, sm_120 189-192 / 255, no spills, 1 block (8 warps) per SM; mma kernel 64 rows x 3
+// stages x 32-row tiles (default on sm_90) / 64 x 4 x 16 (KDT_MMA_TILE=16) / 32 x 3 x 16 (sm_120):
+// sm_90 240 / 228 / 227 registers, sm_120 214 / 170 / 168, no spills; merge kernel 52 (sm_90) /
+// 62 (sm_120).
 //
 // Measured on the H200 before the mma path (one run, Kimi K2 shape H 64, 512 + 64, tree 64,
 // bs 1, L2 flushed): fp32 SIMT 2.55 ms at P 4096 (14.5 TFLOP/s), 19.8 ms at P 32768; the old
 // bf16 tensor-core prefix kernel (hi + lo split of P, recomputed S) 0.62 / 4.41 ms (~60-66
-// TFLOP/s, ~9% of the measured bf16 GEMM). The mma path has not run on a GPU yet.
+// TFLOP/s, ~9% of the measured bf16 GEMM). First H200 run of the mma path (16-row tiles, CUDA
+// graph): 125 TFLOP/s at bs 1 P 32k T 64, 154 at bs 64 P 32k T 64 (16-19% of the GEMM).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -352,24 +354,43 @@ const char* mma_unsupported(const Params& prm, bool bf16) {
   return nullptr;
 }
 
-// The mma.sync configuration for the current device: 64 rows x 4 stages where a block may
-// use its shared memory (sm_90: 227 KB), else 32 rows x 3 stages (sm_120, sm_86: 99 KB).
+// Launches one mma.sync configuration over (row blocks, splits, bs).
+template <int kGroups, int kStages, int kBN>
+cudaError_t launch_mma_config(const Params& prm, const VerifyAttentionPlan& plan,
+                              cudaStream_t stream) {
+  using C = mma::Config<kGroups, kStages, kBN>;
+  const cudaError_t e =
+      ensure_smem_limit<mma::attention_mma_kernel<kGroups, kStages, kBN>>(C::kSmem);
+  if (e != cudaSuccess) return e;
+  const int64_t rows = int64_t(prm.max_tree) * prm.H;
+  const dim3 grid(unsigned((rows + C::kRows - 1) / C::kRows), unsigned(plan.splits),
+                  unsigned(prm.bs));
+  mma::attention_mma_kernel<kGroups, kStages, kBN><<<grid, C::kThreads, C::kSmem, stream>>>(prm);
+  return cudaGetLastError();
+}
+
+// The cache tile of the big configuration: KDT_MMA_TILE=16 forces the previous 16-row tiles
+// (for side-by-side measurement), anything else (or unset) the default 32. Read per call.
+int mma_big_tile() {
+  const char* v = std::getenv("KDT_MMA_TILE");
+  return v && std::strcmp(v, "16") == 0 ? 16 : 32;
+}
+
+// The mma.sync configuration for the current device: 64 rows x 3 stages of 32-row tiles where
+// a block may use its shared memory (sm_90: 227 KB), else 32 rows x 3 stages of 16-row tiles
+// (sm_120, sm_86: 99 KB).
 kdt_status launch_mma(const Params& prm, const VerifyAttentionPlan& plan, cudaStream_t stream) {
   constexpr const char* fn = "kdt_verify_attention";
   int dev = 0, optin = 0;
   KDT_CUDA_CHECK(cudaGetDevice(&dev), fn);
   KDT_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev), fn);
   const int64_t rows = int64_t(prm.max_tree) * prm.H;
-  if (size_t(optin) >= mma::Big::kSmem) {
-    KDT_CUDA_CHECK((ensure_smem_limit<mma::attention_mma_kernel<4, 4>>(mma::Big::kSmem)), fn);
-    const dim3 grid(unsigned((rows + mma::Big::kRows - 1) / mma::Big::kRows), unsigned(plan.splits),
-                    unsigned(prm.bs));
-    mma::attention_mma_kernel<4, 4><<<grid, mma::Big::kThreads, mma::Big::kSmem, stream>>>(prm);
+  if (size_t(optin) >= mma::Big::kSmem && mma_big_tile() == 32) {
+    KDT_CUDA_CHECK((launch_mma_config<4, 3, 32>(prm, plan, stream)), fn);
+  } else if (size_t(optin) >= mma::Big16::kSmem) {
+    KDT_CUDA_CHECK((launch_mma_config<4, 4, 16>(prm, plan, stream)), fn);
   } else if (size_t(optin) >= mma::Small::kSmem) {
-    KDT_CUDA_CHECK((ensure_smem_limit<mma::attention_mma_kernel<2, 3>>(mma::Small::kSmem)), fn);
-    const dim3 grid(unsigned((rows + mma::Small::kRows - 1) / mma::Small::kRows),
-                    unsigned(plan.splits), unsigned(prm.bs));
-    mma::attention_mma_kernel<2, 3><<<grid, mma::Small::kThreads, mma::Small::kSmem, stream>>>(prm);
+    KDT_CUDA_CHECK((launch_mma_config<2, 3, 16>(prm, plan, stream)), fn);
   } else {
     return set_error(KDT_ERR_UNSUPPORTED, fn,
                      "the mma path needs %zu bytes of shared memory per block; device %d allows %d",
