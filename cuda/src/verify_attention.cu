@@ -398,7 +398,7 @@ kdt_status launch_mma(const Params& prm, const VerifyAttentionPlan& plan, cudaSt
   }
   KDT_CUDA_CHECK(cudaGetLastError(), fn);
   if (plan.splits > 1) {
-    const dim3 grid(unsigned((rows + 7) / 8), 1u, unsigned(prm.bs));
+    const dim3 grid(unsigned((rows * mma::kMergeQuarters + 7) / 8), 1u, unsigned(prm.bs));
     mma::merge_kernel<<<grid, 256, 0, stream>>>(prm);
     KDT_CUDA_CHECK(cudaGetLastError(), fn);
   }

@@ -337,8 +337,12 @@ __global__ void __launch_bounds__(64 * kGroups) attention_mma_kernel(Params p) {
 }
 
 // Exact LSE merge of a request's chunk states (chunks partition [0, kv_len), so request b has
-// ceil(kv_len / chunk) of them): one warp per (node, head) row, 16 output columns per lane.
-// Grid (ceil(max_tree * H / 8), 1, bs), 256 threads.
+// ceil(kv_len / chunk) of them): four warps per (node, head) row, one float4 (4 output columns)
+// per lane, so that the AR step at bs 1 (64 rows, ~128 chunks) still spreads over 32 blocks;
+// the chunk loop is unrolled so that several chunks' loads are in flight. Every chunk below the
+// request's count was written by its block (zeros and lse -inf when it saw no key).
+// Grid (ceil(max_tree * H * 4 / 8), 1, bs), 256 threads.
+constexpr int kMergeQuarters = 4;
 __global__ void __launch_bounds__(256) merge_kernel(Params p) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int b = blockIdx.z;
@@ -347,13 +351,16 @@ __global__ void __launch_bounds__(256) merge_kernel(Params p) {
   const int n = q1 - q0, kv_len = k1 - k0, P = kv_len - n, H = p.H;
   const bool valid = q0 >= 0 && k0 >= 0 && n >= 0 && n <= p.max_tree && P >= 0 &&
                      kv_len <= p.max_kv && q1 <= p.total_q && k1 <= p.total_kv;
-  const int64_t r = int64_t(blockIdx.x) * 8 + warp;
+  const int64_t item = int64_t(blockIdx.x) * 8 + warp;
+  const int64_t r = item / kMergeQuarters;
+  const int quarter = int(item % kMergeQuarters);
   if (q0 < 0 || q1 > p.total_q || n <= 0 || n > p.max_tree || r >= int64_t(n) * H) return;
   const int64_t g = int64_t(q0) * H + r;
+  const int col = quarter * (kDL / kMergeQuarters) + 4 * lane;
   if (!valid) {
     const float nan = __int_as_float(0x7fc00000);
-    for (int k = lane; k < kDL; k += 32) p.out[g * kDL + k] = nan;
-    if (lane == 0) p.lse[g] = nan;
+    *reinterpret_cast<float4*>(p.out + g * kDL + col) = make_float4(nan, nan, nan, nan);
+    if (quarter == 0 && lane == 0) p.lse[g] = nan;
     return;
   }
   const int64_t all_rows = int64_t(p.total_q) * H;
@@ -362,32 +369,23 @@ __global__ void __launch_bounds__(256) merge_kernel(Params p) {
   for (int64_t sp = lane; sp < nsp; sp += 32) lmax = fmaxf(lmax, p.ws_lse[sp * all_rows + g]);
 #pragma unroll
   for (int off = 16; off >= 1; off >>= 1) lmax = fmaxf(lmax, __shfl_xor_sync(0xffffffffu, lmax, off));
-  float acc[16];
-#pragma unroll
-  for (int i = 0; i < 16; ++i) acc[i] = 0.f;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   float wsum = 0.f;
+#pragma unroll 4
   for (int64_t sp = 0; sp < nsp; ++sp) {
     const int64_t slot = sp * all_rows + g;
     const float w = merge_weight(p.ws_lse[slot], lmax);
-    if (w == 0.f) continue;  // warp-uniform
+    const float4 v = *reinterpret_cast<const float4*>(p.ws_o + slot * kDL + col);
     wsum += w;
-    const float4* src = reinterpret_cast<const float4*>(p.ws_o + slot * kDL) + lane;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {  // float4 i of this lane: columns 4 (lane + 32 i) .. +3
-      const float4 v = src[32 * i];
-      acc[4 * i] = fmaf(w, v.x, acc[4 * i]);
-      acc[4 * i + 1] = fmaf(w, v.y, acc[4 * i + 1]);
-      acc[4 * i + 2] = fmaf(w, v.z, acc[4 * i + 2]);
-      acc[4 * i + 3] = fmaf(w, v.w, acc[4 * i + 3]);
-    }
+    acc.x = fmaf(w, v.x, acc.x);
+    acc.y = fmaf(w, v.y, acc.y);
+    acc.z = fmaf(w, v.z, acc.z);
+    acc.w = fmaf(w, v.w, acc.w);
   }
   const float winv = wsum > 0.f ? 1.f / wsum : 0.f;
-  float4* dst = reinterpret_cast<float4*>(p.out + g * kDL) + lane;
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-    dst[32 * i] = make_float4(acc[4 * i] * winv, acc[4 * i + 1] * winv, acc[4 * i + 2] * winv,
-                              acc[4 * i + 3] * winv);
-  if (lane == 0) p.lse[g] = merged_lse(lmax, wsum);
+  *reinterpret_cast<float4*>(p.out + g * kDL + col) =
+      make_float4(acc.x * winv, acc.y * winv, acc.z * winv, acc.w * winv);
+  if (quarter == 0 && lane == 0) p.lse[g] = merged_lse(lmax, wsum);
 }
 
 }  // namespace mma
