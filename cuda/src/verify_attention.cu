@@ -354,23 +354,53 @@ const char* mma_unsupported(const Params& prm, bool bf16) {
   return nullptr;
 }
 
-// Launches one mma.sync configuration over (row blocks, splits, bs).
+// The mma grid's split-KV chunking: at most the plan's splits (its workspace), chosen so that
+// the blocks (one per SM: each configuration takes most of an SM's shared memory) fill whole
+// waves: the cost of s splits is waves(s) x chunk(s), the fewest splits among the cheapest
+// (less merge traffic). E.g. bs 64, tree 1, prefix 32k on 132 SMs: the plan's 5 splits are
+// 320 blocks in 3 waves of 6.6k rows; 4 splits are 256 blocks in 2 waves of 8.2k rows.
+void mma_chunking(Params& prm, int64_t row_blocks, int sms) {
+  if (prm.splits <= 1 || sms <= 0 || row_blocks <= 0) return;
+  const int64_t kv = prm.max_kv, tile = VerifyAttentionPlan::kKvTile;
+  int64_t best_chunk = prm.chunk, best_splits = prm.splits;
+  int64_t best_cost = (row_blocks * prm.splits + sms - 1) / sms * prm.chunk;
+  for (int64_t s = prm.splits - 1; s >= 1; --s) {
+    const int64_t chunk = ((kv + s - 1) / s + tile - 1) / tile * tile;
+    const int64_t splits = (kv + chunk - 1) / chunk;
+    const int64_t cost = (row_blocks * splits + sms - 1) / sms * chunk;
+    if (cost <= best_cost) {
+      best_cost = cost;
+      best_chunk = chunk;
+      best_splits = splits;
+    }
+  }
+  prm.chunk = best_chunk;
+  prm.splits = best_splits;
+}
+
+// Launches one mma.sync configuration over (row blocks, splits, bs), then the merge when the
+// chunking gives more than one split.
 template <int kGroups, int kStages, int kBN>
-cudaError_t launch_mma_config(const Params& prm, const VerifyAttentionPlan& plan,
-                              cudaStream_t stream) {
+cudaError_t launch_mma_config(Params prm, int sms, bool wave_chunking, cudaStream_t stream) {
   using C = mma::Config<kGroups, kStages, kBN>;
   const cudaError_t e =
       ensure_smem_limit<mma::attention_mma_kernel<kGroups, kStages, kBN>>(C::kSmem);
   if (e != cudaSuccess) return e;
   const int64_t rows = int64_t(prm.max_tree) * prm.H;
-  const dim3 grid(unsigned((rows + C::kRows - 1) / C::kRows), unsigned(plan.splits),
-                  unsigned(prm.bs));
+  const int64_t row_blocks = (rows + C::kRows - 1) / C::kRows;
+  if (wave_chunking) mma_chunking(prm, row_blocks * prm.bs, sms);
+  const dim3 grid(unsigned(row_blocks), unsigned(prm.splits), unsigned(prm.bs));
   mma::attention_mma_kernel<kGroups, kStages, kBN><<<grid, C::kThreads, C::kSmem, stream>>>(prm);
+  cudaError_t le = cudaGetLastError();
+  if (le != cudaSuccess || prm.splits <= 1) return le;
+  const dim3 mgrid(unsigned((rows * mma::kMergeQuarters + 7) / 8), 1u, unsigned(prm.bs));
+  mma::merge_kernel<<<mgrid, 256, 0, stream>>>(prm);
   return cudaGetLastError();
 }
 
-// The cache tile of the big configuration: KDT_MMA_TILE=16 forces the previous 16-row tiles
-// (for side-by-side measurement), anything else (or unset) the default 32. Read per call.
+// The cache tile of the big configuration: KDT_MMA_TILE=16 forces the previous configuration
+// (16-row tiles, the plan's split count) for side-by-side measurement, anything else (or
+// unset) the default (32-row tiles, wave-filling chunking). Read per call.
 int mma_big_tile() {
   const char* v = std::getenv("KDT_MMA_TILE");
   return v && std::strcmp(v, "16") == 0 ? 16 : 32;
@@ -379,28 +409,23 @@ int mma_big_tile() {
 // The mma.sync configuration for the current device: 64 rows x 3 stages of 32-row tiles where
 // a block may use its shared memory (sm_90: 227 KB), else 32 rows x 3 stages of 16-row tiles
 // (sm_120, sm_86: 99 KB).
-kdt_status launch_mma(const Params& prm, const VerifyAttentionPlan& plan, cudaStream_t stream) {
+kdt_status launch_mma(const Params& prm, cudaStream_t stream) {
   constexpr const char* fn = "kdt_verify_attention";
-  int dev = 0, optin = 0;
+  int dev = 0, optin = 0, sms = 0;
   KDT_CUDA_CHECK(cudaGetDevice(&dev), fn);
   KDT_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev), fn);
-  const int64_t rows = int64_t(prm.max_tree) * prm.H;
-  if (size_t(optin) >= mma::Big::kSmem && mma_big_tile() == 32) {
-    KDT_CUDA_CHECK((launch_mma_config<4, 3, 32>(prm, plan, stream)), fn);
+  KDT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), fn);
+  const bool latest = mma_big_tile() == 32;  // else KDT_MMA_TILE=16: the previous configuration
+  if (size_t(optin) >= mma::Big::kSmem && latest) {
+    KDT_CUDA_CHECK((launch_mma_config<4, 3, 32>(prm, sms, latest, stream)), fn);
   } else if (size_t(optin) >= mma::Big16::kSmem) {
-    KDT_CUDA_CHECK((launch_mma_config<4, 4, 16>(prm, plan, stream)), fn);
+    KDT_CUDA_CHECK((launch_mma_config<4, 4, 16>(prm, sms, latest, stream)), fn);
   } else if (size_t(optin) >= mma::Small::kSmem) {
-    KDT_CUDA_CHECK((launch_mma_config<2, 3, 16>(prm, plan, stream)), fn);
+    KDT_CUDA_CHECK((launch_mma_config<2, 3, 16>(prm, sms, latest, stream)), fn);
   } else {
     return set_error(KDT_ERR_UNSUPPORTED, fn,
                      "the mma path needs %zu bytes of shared memory per block; device %d allows %d",
                      mma::Small::kSmem, dev, optin);
-  }
-  KDT_CUDA_CHECK(cudaGetLastError(), fn);
-  if (plan.splits > 1) {
-    const dim3 grid(unsigned((rows * mma::kMergeQuarters + 7) / 8), 1u, unsigned(prm.bs));
-    mma::merge_kernel<<<grid, 256, 0, stream>>>(prm);
-    KDT_CUDA_CHECK(cudaGetLastError(), fn);
   }
   return KDT_OK;
 }
@@ -479,7 +504,7 @@ kdt_status verify_attention_cuda(const VerifyAttentionArgs& a, VerifyPath path, 
       if (why_not_mma)
         return set_error(KDT_ERR_UNSUPPORTED, fn, "KDT_VERIFY_PATH=mma: the mma path cannot take "
                          "this call: %s", why_not_mma);
-      return launch_mma(prm, plan, s);
+      return launch_mma(prm, s);
     case VerifyPath::kSm90a:
       return verify_attention_sm90a(a, stream, workspace, workspace_bytes);
     case VerifyPath::kCpu:
@@ -498,7 +523,7 @@ kdt_status verify_attention_cuda(const VerifyAttentionArgs& a, VerifyPath path, 
     if (st != KDT_ERR_UNSUPPORTED) return st;
     clear_error();  // not built for sm_90a (or not this shape): the mma path takes it
   }
-  return launch_mma(prm, plan, s);
+  return launch_mma(prm, s);
 }
 
 }  // namespace kdt
