@@ -30,8 +30,8 @@
 // nvcc 13.0 -O3 -Xptxas -v: SIMT kernels (prefix / tree pass) sm_90 233-237 / 253-255
 // registers, sm_120 189-192 / 255, no spills, 1 block (8 warps) per SM; mma kernel 64 rows x 3
 // stages x 32-row tiles (default on sm_90) / 64 x 4 x 16 (KDT_MMA_TILE=16) / 32 x 3 x 16 (sm_120):
-// sm_90 240 / 228 / 227 registers, sm_120 214 / 170 / 168, no spills; merge kernel 52 (sm_90) /
-// 62 (sm_120).
+// sm_90 240 / 228 / 227 registers, sm_120 214 / 170 / 168, no spills; merge kernel 38 (sm_90) /
+// 40 (sm_120).
 //
 // Measured on the H200 before the mma path (one run, Kimi K2 shape H 64, 512 + 64, tree 64,
 // bs 1, L2 flushed): fp32 SIMT 2.55 ms at P 4096 (14.5 TFLOP/s), 19.8 ms at P 32768; the old
@@ -358,7 +358,7 @@ const char* mma_unsupported(const Params& prm, bool bf16) {
 // the blocks (one per SM: each configuration takes most of an SM's shared memory) fill whole
 // waves: the cost of s splits is waves(s) x chunk(s), the fewest splits among the cheapest
 // (less merge traffic). E.g. bs 64, tree 1, prefix 32k on 132 SMs: the plan's 5 splits are
-// 320 blocks in 3 waves of 6.6k rows; 4 splits are 256 blocks in 2 waves of 8.2k rows.
+// 320 blocks in 3 waves of 6.6k cache rows; 2 splits are 128 blocks in one wave of 16.4k.
 void mma_chunking(Params& prm, int64_t row_blocks, int sms) {
   if (prm.splits <= 1 || sms <= 0 || row_blocks <= 0) return;
   const int64_t kv = prm.max_kv, tile = VerifyAttentionPlan::kKvTile;
