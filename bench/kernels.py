@@ -12,8 +12,8 @@ the GPU, the monotonic clock on the CPU. Rates (formulas in each record):
                fraction of the run's measured ceilings: GB/s over the device copy,
                TFLOP/s over the matmul (bf16 on CUDA, fp32 on the CPU).
 Attention rows, per case and path, all on the same inputs in the same run: each of our forced
-paths (KDT_VERIFY_PATH: simt for fp32; simt, mma, mma16 (KDT_MMA_TILE=16), sm90a for bf16 on
-CUDA; cpu on the CPU) and two torch peers: `torch` (scores by torch.bmm over the absorbed cache, masked fill of the tree
+paths (KDT_VERIFY_PATH: simt for fp32; simt, mma, mma16 / mma-small / mma-smallq (mma with
+KDT_MMA_TILE=16 / small / smallq), sm90a for bf16 on CUDA; cpu on the CPU) and two torch peers: `torch` (scores by torch.bmm over the absorbed cache, masked fill of the tree
 tail, softmax, torch.bmm with the latent values) and `sdpa` (scaled_dot_product_attention with a
 boolean mask). Each row has two times: `kernel` (CUDA: N calls captured in a CUDA graph,
 replayed, divided by N; the rates use it) and the summary's one call as a user makes it
@@ -46,10 +46,12 @@ L = 15  # drafter block 16 -> 15 drafted depths (DDTREE.md section 1)
 # the torch peers compute in bf16).
 ATTENTION_TOL = {"float32": 1e-5, "bfloat16": 1e-2}
 # Our paths per (device, dtype) (KDT_VERIFY_PATH values), and the torch peers.
-# mma16: the mma path with KDT_MMA_TILE=16 (its previous 16-row tile configuration, measured
-# beside the default so that one run can choose).
+# mma16 / mma-small / mma-smallq: the mma path with KDT_MMA_TILE=16 / small / smallq (its
+# previous big configuration, and the two sm_120 ones: query tile in shared memory, query
+# fragments in registers), measured beside the default so that one run can choose.
+MMA_VARIANTS = {"mma16": "16", "mma-small": "small", "mma-smallq": "smallq"}
 ATTENTION_PATHS = {("cuda", "float32"): ["simt"],
-                   ("cuda", "bfloat16"): ["simt", "mma", "mma16", "sm90a"],
+                   ("cuda", "bfloat16"): ["simt", "mma", *MMA_VARIANTS, "sm90a"],
                    ("cpu", "float32"): ["cpu"], ("cpu", "bfloat16"): ["cpu"]}
 PEERS = ["torch", "sdpa"]
 # The peers are not held to our kernels' bf16 contract: the torch path's bmm returns bf16 scores
@@ -223,8 +225,8 @@ def _attention_reference(a, rows_req, prefix, tree, heads_sub):
 
 # Environment of a forced path (the library reads both variables per call).
 def _path_env(path) -> dict:
-    if path == "mma16":
-        return {"KDT_VERIFY_PATH": "mma", "KDT_MMA_TILE": "16"}
+    if path in MMA_VARIANTS:
+        return {"KDT_VERIFY_PATH": "mma", "KDT_MMA_TILE": MMA_VARIANTS[path]}
     return {"KDT_VERIFY_PATH": path, "KDT_MMA_TILE": None}
 
 

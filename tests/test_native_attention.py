@@ -217,17 +217,19 @@ KIMI_GRID = [  # the mma path's shape (d_latent 512, d_rope 64): tiles of 16 or 
 ]
 CUDA_GRID = GRID + KIMI_GRID
 # (path, dtype) pairs run on every grid case they can take; auto is what callers get.
-# mma16: the mma path with KDT_MMA_TILE=16 (the previous 16-row tile configuration, kept
-# selectable on sm_90; on sm_120 it is the only one).
+# mma16 / mma-small / mma-smallq: the mma path with KDT_MMA_TILE=16 / small / smallq (the
+# previous 16-row tile configuration and the two sm_120 ones, forced where they fit).
+MMA_VARIANTS = {"mma16": "16", "mma-small": "small", "mma-smallq": "smallq"}
 CUDA_PATHS = [("auto", "f32"), ("simt", "f32"), ("auto", "bf16"), ("simt", "bf16"), ("mma", "bf16"),
-              ("mma16", "bf16"), ("sm90a", "bf16")]
-TC_ONLY = ("mma", "mma16", "sm90a")  # paths that take bf16 at d_latent 512 / d_rope 64 only
+              *((v, "bf16") for v in MMA_VARIANTS), ("sm90a", "bf16")]
+TC_ONLY = ("mma", *MMA_VARIANTS, "sm90a")  # paths that take bf16 at d_latent 512 / d_rope 64 only
 
 
 def _library_path(path, monkeypatch):
-    """The library's path name for a test path; mma16 sets KDT_MMA_TILE=16 (read per call)."""
-    if path == "mma16":
-        monkeypatch.setenv("KDT_MMA_TILE", "16")
+    """The library's path name for a test path; an mma variant sets KDT_MMA_TILE (read per
+    call)."""
+    if path in MMA_VARIANTS:
+        monkeypatch.setenv("KDT_MMA_TILE", MMA_VARIANTS[path])
         return "mma"
     monkeypatch.delenv("KDT_MMA_TILE", raising=False)
     return path
@@ -272,7 +274,7 @@ def test_cuda_matches_reference(bs, H, dl, dr, prefixes, trees, path, dtype, mon
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("path", ["simt", "mma", "mma16", "sm90a"])
+@pytest.mark.parametrize("path", ["simt", "mma", *MMA_VARIANTS, "sm90a"])
 def test_cuda_masked_out_row_is_empty_state(path, monkeypatch):
     """A query that sees nothing (prefix 0, no visibility bit) gets out 0 and lse -inf on every
     CUDA path, and its neighbours are unaffected."""

@@ -29,9 +29,10 @@
 //
 // nvcc 13.0 -O3 -Xptxas -v: SIMT kernels (prefix / tree pass) sm_90 233-237 / 253-255
 // registers, sm_120 189-192 / 255, no spills, 1 block (8 warps) per SM; mma kernel 64 rows x 3
-// stages x 32-row tiles (default on sm_90) / 64 x 4 x 16 (KDT_MMA_TILE=16) / 32 x 3 x 16 (sm_120):
-// sm_90 240 / 228 / 227 registers, sm_120 214 / 170 / 168, no spills; merge kernel 38 (sm_90) /
-// 40 (sm_120).
+// stages x 32-row tiles (default on sm_90) / 64 x 4 x 16 (KDT_MMA_TILE=16) / 32 x 3 x 16
+// (small) / 32 x 2 x 16 with query fragments in registers (smallq, sm_120's default): sm_90
+// 240 / 228 / 227 / 254 registers, sm_120 214 / 170 / 168 / 254, no spills; merge kernel 38
+// (sm_90) / 40 (sm_120).
 //
 // Measured on the H200 before the mma path (one run, Kimi K2 shape H 64, 512 + 64, tree 64,
 // bs 1, L2 flushed): fp32 SIMT 2.55 ms at P 4096 (14.5 TFLOP/s), 19.8 ms at P 32768; the old
@@ -355,11 +356,10 @@ const char* mma_unsupported(const Params& prm, bool bf16) {
 }
 
 // The mma grid's split-KV chunking: at most the plan's splits (its workspace), chosen so that
-// the blocks (one per SM: each configuration takes most of an SM's shared memory) fill whole
-// waves: the cost of s splits is waves(s) x chunk(s), the fewest splits among the cheapest
-// (less merge traffic). E.g. bs 64, tree 1, prefix 32k on 132 SMs: the plan's 5 splits are
+// the blocks fill whole waves (`slots` = SMs x resident blocks per SM): the cost of s splits is
+// waves(s) x chunk(s), the fewest splits among the cheapest (less merge traffic). E.g. bs 64, tree 1, prefix 32k on 132 SMs: the plan's 5 splits are
 // 320 blocks in 3 waves of 6.6k cache rows; 2 splits are 128 blocks in one wave of 16.4k.
-void mma_chunking(Params& prm, int64_t row_blocks, int sms) {
+void mma_chunking(Params& prm, int64_t row_blocks, int64_t sms) {
   if (prm.splits <= 1 || sms <= 0 || row_blocks <= 0) return;
   const int64_t kv = prm.max_kv, tile = VerifyAttentionPlan::kKvTile;
   int64_t best_chunk = prm.chunk, best_splits = prm.splits;
@@ -380,17 +380,33 @@ void mma_chunking(Params& prm, int64_t row_blocks, int sms) {
 
 // Launches one mma.sync configuration over (row blocks, splits, bs), then the merge when the
 // chunking gives more than one split.
-template <int kGroups, int kStages, int kBN>
+template <int kGroups, int kStages, int kBN, bool kQReg = false>
 cudaError_t launch_mma_config(Params prm, int sms, bool wave_chunking, cudaStream_t stream) {
-  using C = mma::Config<kGroups, kStages, kBN>;
+  using C = mma::Config<kGroups, kStages, kBN, kQReg>;
   const cudaError_t e =
-      ensure_smem_limit<mma::attention_mma_kernel<kGroups, kStages, kBN>>(C::kSmem);
+      ensure_smem_limit<mma::attention_mma_kernel<kGroups, kStages, kBN, kQReg>>(C::kSmem);
   if (e != cudaSuccess) return e;
   const int64_t rows = int64_t(prm.max_tree) * prm.H;
   const int64_t row_blocks = (rows + C::kRows - 1) / C::kRows;
-  if (wave_chunking) mma_chunking(prm, row_blocks * prm.bs, sms);
+  if (wave_chunking) {
+    // resident blocks per SM: once per (configuration, device); a race only repeats the query
+    static std::atomic<int> per_sm[8];
+    int dev = 0, n = 0;
+    cudaError_t ge = cudaGetDevice(&dev);
+    if (ge != cudaSuccess) return ge;
+    if (dev < 8) n = per_sm[dev].load(std::memory_order_relaxed);
+    if (n <= 0) {
+      ge = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+          &n, mma::attention_mma_kernel<kGroups, kStages, kBN, kQReg>, C::kThreads, C::kSmem);
+      if (ge != cudaSuccess) return ge;
+      if (n < 1) n = 1;
+      if (dev < 8) per_sm[dev].store(n, std::memory_order_relaxed);
+    }
+    mma_chunking(prm, row_blocks * prm.bs, int64_t(sms) * n);
+  }
   const dim3 grid(unsigned(row_blocks), unsigned(prm.splits), unsigned(prm.bs));
-  mma::attention_mma_kernel<kGroups, kStages, kBN><<<grid, C::kThreads, C::kSmem, stream>>>(prm);
+  mma::attention_mma_kernel<kGroups, kStages, kBN, kQReg>
+      <<<grid, C::kThreads, C::kSmem, stream>>>(prm);
   cudaError_t le = cudaGetLastError();
   if (le != cudaSuccess || prm.splits <= 1) return le;
   const dim3 mgrid(unsigned((rows * mma::kMergeQuarters + 7) / 8), 1u, unsigned(prm.bs));
@@ -398,34 +414,44 @@ cudaError_t launch_mma_config(Params prm, int sms, bool wave_chunking, cudaStrea
   return cudaGetLastError();
 }
 
-// The cache tile of the big configuration: KDT_MMA_TILE=16 forces the previous configuration
-// (16-row tiles, the plan's split count) for side-by-side measurement, anything else (or
-// unset) the default (32-row tiles, wave-filling chunking). Read per call.
-int mma_big_tile() {
+// KDT_MMA_TILE (read per call) forces one mma configuration where it fits, for side-by-side
+// measurement: "16" the previous big one (16-row tiles, the plan's split count), "small" and
+// "smallq" the sm_120 ones (query tile in shared memory / query fragments in registers).
+enum class MmaConfig { kDefault, kBig16, kSmall, kSmallQ };
+MmaConfig mma_forced_config() {
   const char* v = std::getenv("KDT_MMA_TILE");
-  return v && std::strcmp(v, "16") == 0 ? 16 : 32;
+  if (!v) return MmaConfig::kDefault;
+  if (std::strcmp(v, "16") == 0) return MmaConfig::kBig16;
+  if (std::strcmp(v, "small") == 0) return MmaConfig::kSmall;
+  if (std::strcmp(v, "smallq") == 0) return MmaConfig::kSmallQ;
+  return MmaConfig::kDefault;
 }
 
 // The mma.sync configuration for the current device: 64 rows x 3 stages of 32-row tiles where
-// a block may use its shared memory (sm_90: 227 KB), else 32 rows x 3 stages of 16-row tiles
-// (sm_120, sm_86: 99 KB).
+// a block may use its shared memory (sm_90: 227 KB), else (sm_120, sm_86: 99 KB) 32 rows with
+// the query fragments in registers x 2 stages of 16-row tiles (two blocks per SM).
 kdt_status launch_mma(const Params& prm, cudaStream_t stream) {
   constexpr const char* fn = "kdt_verify_attention";
   int dev = 0, optin = 0, sms = 0;
   KDT_CUDA_CHECK(cudaGetDevice(&dev), fn);
   KDT_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev), fn);
   KDT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), fn);
-  const bool latest = mma_big_tile() == 32;  // else KDT_MMA_TILE=16: the previous configuration
-  if (size_t(optin) >= mma::Big::kSmem && latest) {
-    KDT_CUDA_CHECK((launch_mma_config<4, 3, 32>(prm, sms, latest, stream)), fn);
-  } else if (size_t(optin) >= mma::Big16::kSmem) {
-    KDT_CUDA_CHECK((launch_mma_config<4, 4, 16>(prm, sms, latest, stream)), fn);
-  } else if (size_t(optin) >= mma::Small::kSmem) {
-    KDT_CUDA_CHECK((launch_mma_config<2, 3, 16>(prm, sms, latest, stream)), fn);
+  const MmaConfig forced = mma_forced_config();
+  const size_t smem = size_t(optin);
+  if (forced == MmaConfig::kSmall && smem >= mma::Small::kSmem) {
+    KDT_CUDA_CHECK((launch_mma_config<2, 3, 16>(prm, sms, true, stream)), fn);
+  } else if (forced == MmaConfig::kSmallQ && smem >= mma::SmallQ::kSmem) {
+    KDT_CUDA_CHECK((launch_mma_config<2, 2, 16, true>(prm, sms, true, stream)), fn);
+  } else if (forced == MmaConfig::kBig16 && smem >= mma::Big16::kSmem) {
+    KDT_CUDA_CHECK((launch_mma_config<4, 4, 16>(prm, sms, false, stream)), fn);
+  } else if (smem >= mma::Big::kSmem) {
+    KDT_CUDA_CHECK((launch_mma_config<4, 3, 32>(prm, sms, true, stream)), fn);
+  } else if (smem >= mma::SmallQ::kSmem) {
+    KDT_CUDA_CHECK((launch_mma_config<2, 2, 16, true>(prm, sms, true, stream)), fn);
   } else {
     return set_error(KDT_ERR_UNSUPPORTED, fn,
                      "the mma path needs %zu bytes of shared memory per block; device %d allows %d",
-                     mma::Small::kSmem, dev, optin);
+                     mma::SmallQ::kSmem, dev, optin);
   }
   return KDT_OK;
 }

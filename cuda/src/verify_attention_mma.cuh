@@ -28,9 +28,10 @@
 // (16 x 288: 18 ldmatrix), the K fragments (18) and V^T (16). kBN = 32 (sm_90's default)
 // reads the Q fragment once per 32 keys (43 instead of 52 ldmatrix per 16 keys, -17%) and halves
 // the block barriers, pair exchanges and softmax reductions per key; it needs 37 KB per stage,
-// so sm_120 (99 KB) keeps kBN = 16. Sharing a B fragment across two m16 row tiles would halve
-// the K / V reads but needs 256 O registers per lane (or a 4-way S exchange that costs as much
-// shared memory as it saves).
+// so sm_120 (99 KB) keeps kBN = 16 and instead holds the query fragments in registers
+// (SmallQ: 72 registers, 254 in all; 34 ldmatrix per 16 keys; 41 KB, two blocks per SM).
+// Sharing a B fragment across two m16 row tiles would halve the K / V reads but needs 256 O
+// registers per lane (or a 4-way S exchange that costs as much shared memory as it saves).
 //
 // Fragment layouts (PTX ISA, mma.m16n8k16 .bf16, lane = 4 gq + tq):
 //   A (16 x 16, row): a0 (row gq, k 2tq..2tq+1), a1 (row gq+8, same k), a2 (row gq, k 2tq+8..),
@@ -60,14 +61,20 @@ static_assert(kHalfK % 16 == 0, "each half of the contraction is whole k16 steps
 
 // Shared memory of one configuration: queries, the ring of kBN-row tiles, the S exchange
 // (kBN / 2 floats per lane).
-template <int kGroups, int kStages, int kBN>
+// kQReg: the queries' A fragments live in registers (72 per lane), loaded once through the
+// ring's memory before the ring starts, so the block keeps no query tile in shared memory and
+// the S loop reads only K from it.
+template <int kGroups, int kStages, int kBN, bool kQReg = false>
 struct Config {
   static constexpr int kRows = 16 * kGroups;
   static constexpr int kThreads = 64 * kGroups;
-  static constexpr size_t kQBytes = size_t(kRows) * kLd * 2;
+  static constexpr size_t kQTile = size_t(kRows) * kLd * 2;
+  static constexpr size_t kQBytes = kQReg ? 0 : kQTile;
   static constexpr size_t kStageBytes = size_t(kBN) * kLd * 2;
+  static constexpr size_t kRingBytes =
+      kQReg && kQTile > kStages * kStageBytes ? kQTile : kStages * kStageBytes;
   static constexpr size_t kXBytes = size_t(2 * kGroups) * (kBN / 2) * 32 * 4;
-  static constexpr size_t kSmem = kQBytes + kStages * kStageBytes + kXBytes;
+  static constexpr size_t kSmem = kQBytes + kRingBytes + kXBytes;
   static_assert(kStages >= 2, "a ring needs two stages at least");
   static_assert(kBN == 16 || kBN == 32, "tiles of 16 or 32 cache rows");
   static_assert(VerifyAttentionPlan::kKvTile % kBN == 0, "chunks are whole tiles");
@@ -77,10 +84,15 @@ struct Config {
 using Big = Config<4, 3, 32>;
 using Big16 = Config<4, 4, 16>;
 // sm_120 / sm_86-class parts (99 KB per block): 32 rows, 3 stages of 16-row tiles, 97,536 B
-// (32-row tiles do not fit two stages beside 32 query rows there).
+// (32-row tiles do not fit two stages beside 32 query rows there); KDT_MMA_TILE=small.
 using Small = Config<2, 3, 16>;
+// The same rows with the query fragments in registers and 2 stages: 41,472 B, so two blocks
+// (8 warps) share an SM of sm_120's 100 KB, and per 16 keys a warp reads 34 ldmatrix, not 52.
+// sm_120's default (not yet measured there; KDT_MMA_TILE=smallq forces it on sm_90).
+using SmallQ = Config<2, 2, 16, true>;
 static_assert(Big::kSmem <= 232448 && Big16::kSmem <= 232448, "the big configurations fit 227 KB");
 static_assert(Small::kSmem <= 101376, "the small configuration fits sm_120's 99 KB");
+static_assert(2 * (SmallQ::kSmem + 1024) <= 102400, "two SmallQ blocks share an sm_120 SM");
 
 __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
                                          uint32_t a3, uint32_t b0, uint32_t b1) {
@@ -125,14 +137,14 @@ __device__ __forceinline__ uint32_t pack_bf16(float x, float y) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-template <int kGroups, int kStages, int kBN>
+template <int kGroups, int kStages, int kBN, bool kQReg>
 __global__ void __launch_bounds__(64 * kGroups) attention_mma_kernel(Params p) {
-  using C = Config<kGroups, kStages, kBN>;
+  using C = Config<kGroups, kStages, kBN, kQReg>;
   constexpr int kNB = kBN / 16;  // 16-key blocks per tile (k16 steps of P V)
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  uint16_t* q_s = reinterpret_cast<uint16_t*>(smem_raw);                  // [kRows][kLd]
   uint16_t* ring = reinterpret_cast<uint16_t*>(smem_raw + C::kQBytes);    // [kStages][kBN][kLd]
-  float* xs = reinterpret_cast<float*>(smem_raw + C::kQBytes + kStages * C::kStageBytes);
+  uint16_t* q_s = kQReg ? ring : reinterpret_cast<uint16_t*>(smem_raw);    // [kRows][kLd]
+  float* xs = reinterpret_cast<float*>(smem_raw + C::kQBytes + C::kRingBytes);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int group = warp >> 1, half = warp & 1;
   const int gq = lane >> 2, tq = lane & 3;
@@ -175,6 +187,19 @@ __global__ void __launch_bounds__(64 * kGroups) attention_mma_kernel(Params p) {
     const uint16_t* src = c < kDL / 8 ? q_lat + g * kDL + c * 8 : q_pe + g * kDR + (c - kDL / 8) * 8;
     cp_async16(q_s + r * kLd + c * 8, src, ok);
   }
+  // ldmatrix row addresses (elements) of this lane, before the k / column offset:
+  const int mi = lane >> 3, ri = lane & 7;
+  const uint16_t* qa = q_s + (group * 16 + (mi & 1) * 8 + ri) * kLd + (mi >> 1) * 8 + half * kHalfK;
+  // kQReg: the query fragments (group 0 alone) into registers; the ring then reuses the staging
+  uint32_t qf[kQReg ? kHalfK / 16 : 1][4];
+  if constexpr (kQReg) {
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+#pragma unroll
+    for (int ks = 0; ks < kHalfK / 16; ++ks) ldmatrix_x4(qf[ks], qa + 16 * ks);
+    __syncthreads();
+  }
   // ---- ring prologue: tiles 0 .. kStages-2, one commit group each (empty groups complete at once)
   auto load_tile = [&](int t) {
     uint16_t* dst = ring + (t % kStages) * (kBN * kLd);
@@ -205,9 +230,6 @@ __global__ void __launch_bounds__(64 * kGroups) attention_mma_kernel(Params p) {
   for (int i = 0; i < kNT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
   float m[2] = {-INFINITY, -INFINITY};  // running max (log2 units), quad-uniform
   float d[2] = {0.f, 0.f};              // lane-partial sums, reduced over the quad at the end
-  // ldmatrix row addresses (elements) of this lane, before the k / column offset:
-  const int mi = lane >> 3, ri = lane & 7;
-  const uint16_t* qa = q_s + (group * 16 + (mi & 1) * 8 + ri) * kLd + (mi >> 1) * 8 + half * kHalfK;
   const int kb_off = ((mi >> 1) * 8 + ri) * kLd + (mi & 1) * 8 + half * kHalfK;  // K as B of S
   const int vb_off = ((mi & 1) * 8 + ri) * kLd + (mi >> 1) * 8 + half * kHalfV;  // V^T as B of PV
   float4* x_mine = reinterpret_cast<float4*>(xs) + warp * (2 * kNB * 32) + lane;
@@ -226,16 +248,29 @@ __global__ void __launch_bounds__(64 * kGroups) attention_mma_kernel(Params p) {
     float s[2 * kNB][4];
 #pragma unroll
     for (int nt = 0; nt < 2 * kNB; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-#pragma unroll(kNB == 1 ? 6 : 3)
-    for (int kk = 0; kk < kHalfK; kk += 16) {
-      uint32_t a[4];
-      ldmatrix_x4(a, qa + kk);  // a0..a3 as in the layout table
+    if constexpr (kQReg) {
 #pragma unroll
-      for (int j = 0; j < kNB; ++j) {
-        uint32_t bk[4];  // keys 16 j + 0-7: (bk0, bk1); 16 j + 8-15: (bk2, bk3)
-        ldmatrix_x4(bk, kt + kb_off + j * 16 * kLd + kk);
-        mma_bf16(s[2 * j], a[0], a[1], a[2], a[3], bk[0], bk[1]);
-        mma_bf16(s[2 * j + 1], a[0], a[1], a[2], a[3], bk[2], bk[3]);
+      for (int ks = 0; ks < kHalfK / 16; ++ks) {
+#pragma unroll
+        for (int j = 0; j < kNB; ++j) {
+          uint32_t bk[4];  // keys 16 j + 0-7: (bk0, bk1); 16 j + 8-15: (bk2, bk3)
+          ldmatrix_x4(bk, kt + kb_off + j * 16 * kLd + 16 * ks);
+          mma_bf16(s[2 * j], qf[ks][0], qf[ks][1], qf[ks][2], qf[ks][3], bk[0], bk[1]);
+          mma_bf16(s[2 * j + 1], qf[ks][0], qf[ks][1], qf[ks][2], qf[ks][3], bk[2], bk[3]);
+        }
+      }
+    } else {
+#pragma unroll(kNB == 1 ? 6 : 3)
+      for (int kk = 0; kk < kHalfK; kk += 16) {
+        uint32_t a[4];
+        ldmatrix_x4(a, qa + kk);  // a0..a3 as in the layout table
+#pragma unroll
+        for (int j = 0; j < kNB; ++j) {
+          uint32_t bk[4];  // keys 16 j + 0-7: (bk0, bk1); 16 j + 8-15: (bk2, bk3)
+          ldmatrix_x4(bk, kt + kb_off + j * 16 * kLd + kk);
+          mma_bf16(s[2 * j], a[0], a[1], a[2], a[3], bk[0], bk[1]);
+          mma_bf16(s[2 * j + 1], a[0], a[1], a[2], a[3], bk[2], bk[3]);
+        }
       }
     }
     // ---- exchange the partials within the pair; both add them as part(half 0) + part(half 1)
