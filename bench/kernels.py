@@ -319,6 +319,8 @@ def _time_graph(device, make_fn, call_s):
         return None
     import torch
 
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # the graph's private pool must not sit beside the cached temporaries
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     st = {}
