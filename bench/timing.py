@@ -162,6 +162,7 @@ def time_cuda_graph(fn: Callable[[], object], calls: int = 20, reps: int = 20,
     fn()  # first-call setup (function attributes, workspaces) outside the capture
     torch.cuda.current_stream().synchronize()
     first = time.perf_counter() - t0
+    torch.cuda.empty_cache()  # its cached temporaries would sit beside the graph's private pool
     if budget_s is not None:
         c = max(call_s if call_s is not None else first, 1e-7)
         calls = max(1, min(calls, int(budget_s / ((reps + warmup) * c))))
