@@ -12,8 +12,8 @@ the GPU, the monotonic clock on the CPU. Rates (formulas in each record):
                fraction of the run's measured ceilings: GB/s over the device copy,
                TFLOP/s over the matmul (bf16 on CUDA, fp32 on the CPU).
 Attention rows, per case and path, all on the same inputs in the same run: each of our forced
-paths (KDT_VERIFY_PATH: simt for fp32; simt, mma, sm90a for bf16 on CUDA; cpu on the CPU) and
-two torch peers: `torch` (scores by torch.bmm over the absorbed cache, masked fill of the tree
+paths (KDT_VERIFY_PATH: simt for fp32; simt, mma, mma16 / mma-small / mma-smallq (mma with
+KDT_MMA_TILE=16 / small / smallq), sm90a for bf16 on CUDA; cpu on the CPU) and two torch peers: `torch` (scores by torch.bmm over the absorbed cache, masked fill of the tree
 tail, softmax, torch.bmm with the latent values) and `sdpa` (scaled_dot_product_attention with a
 boolean mask). Each row has two times: `kernel` (CUDA: N calls captured in a CUDA graph,
 replayed, divided by N; the rates use it) and the summary's one call as a user makes it
@@ -46,16 +46,28 @@ L = 15  # drafter block 16 -> 15 drafted depths (DDTREE.md section 1)
 # the torch peers compute in bf16).
 ATTENTION_TOL = {"float32": 1e-5, "bfloat16": 1e-2}
 # Our paths per (device, dtype) (KDT_VERIFY_PATH values), and the torch peers.
-ATTENTION_PATHS = {("cuda", "float32"): ["simt"], ("cuda", "bfloat16"): ["simt", "mma", "sm90a"],
+# mma16 / mma-small / mma-smallq: the mma path with KDT_MMA_TILE=16 / small / smallq (its
+# previous big configuration, and the two sm_120 ones: query tile in shared memory, query
+# fragments in registers), measured beside the default so that one run can choose.
+MMA_VARIANTS = {"mma16": "16", "mma-small": "small", "mma-smallq": "smallq"}
+ATTENTION_PATHS = {("cuda", "float32"): ["simt"],
+                   ("cuda", "bfloat16"): ["simt", "mma", *MMA_VARIANTS, "sm90a"],
                    ("cpu", "float32"): ["cpu"], ("cpu", "bfloat16"): ["cpu"]}
 PEERS = ["torch", "sdpa"]
-# The torch path's bmm returns bf16 scores on a bf16 cache (rounded before the softmax: ~1e-2
-# relative on the output, measured 1.03e-2 at P 512), so the peers are validated at a looser
-# bf16 bound; their records carry the measured error.
-PEER_TOL = {"float32": 1e-5, "bfloat16": 3e-2}
-# A path whose one call takes longer than this is timed with a single captured call, and the
+# The peers are not held to our kernels' bf16 contract: the torch path's bmm returns bf16 scores
+# on a bf16 cache, rounded before the softmax (a score s moves by up to 2^-9 |s|, so the
+# weights by up to ~2^-9 max|s| relative; the output error grows with the score magnitudes and
+# the prefix: 1.03e-2 measured at P 512 on the CPU, 3.47e-2 at bs 64 P 32k T 64 on the H200).
+# Their bf16 bound is a same-function check (a wrong scale, a dropped prefix, a missing softmax
+# give errors of order 1), 0.1; every record keeps its measured error (validation.rel_err) and
+# the table shows it beside "ok", so a peer's imprecision is reported, not hidden, and does not
+# fail the suite.
+PEER_TOL = {"float32": 1e-5, "bfloat16": 1e-1}
+# Kernel-alone timing (time_cuda_graph): up to 20 calls per graph and GRAPH_REPS replays, both
+# cut so that one path's replays take about GRAPH_BUDGET_S (at least 1 call x 3 replays); the
 # SIMT path is skipped where its estimated time exceeds SIMT_MAX_S (a reference path).
-GRAPH_TARGET_S = 0.03
+GRAPH_BUDGET_S = 0.15
+GRAPH_REPS = 5
 SIMT_MAX_S = 0.25
 SIMT_TFLOPS_EST = 15.0
 # Work allowed for the float64 reference per validated request (FLOPs); heads are subsampled
@@ -211,21 +223,34 @@ def _attention_reference(a, rows_req, prefix, tree, heads_sub):
     return np.concatenate(outs), np.concatenate(lses)
 
 
+# Environment of a forced path (the library reads both variables per call).
+def _path_env(path) -> dict:
+    if path in MMA_VARIANTS:
+        return {"KDT_VERIFY_PATH": "mma", "KDT_MMA_TILE": MMA_VARIANTS[path]}
+    return {"KDT_VERIFY_PATH": path, "KDT_MMA_TILE": None}
+
+
 def _forced(path):
-    """KDT_VERIFY_PATH = path around a call or a graph capture (the library reads it per call)."""
+    """The path's KDT_VERIFY_PATH (and KDT_MMA_TILE) around a call or a graph capture."""
     import contextlib
 
     @contextlib.contextmanager
     def ctx():
-        old = os.environ.get("KDT_VERIFY_PATH")
-        os.environ["KDT_VERIFY_PATH"] = path
+        env = _path_env(path)
+        old = {k: os.environ.get(k) for k in env}
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         try:
             yield
         finally:
-            if old is None:
-                os.environ.pop("KDT_VERIFY_PATH", None)
-            else:
-                os.environ["KDT_VERIFY_PATH"] = old
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
     return ctx()
 
 
@@ -287,35 +312,24 @@ def _peer_fits(device, name, bs, prefix, tree, dtype) -> str | None:
 
 
 def _time_graph(device, make_fn, call_s):
-    """Kernel-alone time (s per call): N calls of make_fn() (built on the capture stream)
-    captured in one CUDA graph, replayed, divided by N. On the CPU: None."""
+    """Kernel-alone time (s per call) by bench.timing.time_cuda_graph: N calls of make_fn()
+    (built on a side stream, the capture stream) in one CUDA graph, replayed, divided by N; N and
+    the replays adapt to the call's time (GRAPH_BUDGET_S in all). On the CPU: None."""
     if device != "cuda":
         return None
     import torch
 
-    n = int(max(1, min(20, GRAPH_TARGET_S / max(call_s, 1e-7))))
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # the graph's private pool must not sit beside the cached temporaries
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
+    st = {}
     with torch.cuda.stream(stream):
         fn = make_fn()
-        fn()  # warm-up on the capture stream (workspaces, cuBLAS handles)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=stream):
-            for _ in range(n):
-                fn()
-        g.replay()
-        torch.cuda.synchronize()
-        samples = []
-        for _ in range(5):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record(stream)
-            g.replay()
-            e1.record(stream)
-            e1.synchronize()
-            samples.append(e0.elapsed_time(e1) * 1e-3 / n)
-    del g
-    return {"median": float(np.median(samples)), "calls": n, "replays": len(samples)}
+        samples = time_cuda_graph(fn, calls=20, reps=GRAPH_REPS, warmup=1, budget_s=GRAPH_BUDGET_S,
+                                  call_s=call_s, min_reps=3, stats=st)
+    torch.cuda.synchronize()
+    return {"median": float(np.median(samples)), "calls": st["calls"], "replays": st["reps"]}
 
 
 def _attention_path(lib, device, a, bs, prefix, tree, path, case, w, pick, ref, seed, timer,
@@ -467,8 +481,9 @@ def run(ctx) -> dict:
     results, params = [], {"L": L, "K": "min(budget, 64)", "attention_shape": "Kimi K2",
                            "heads": KIMI_K2["heads"], "d_latent": KIMI_K2["d_latent"],
                            "d_rope": KIMI_K2["d_rope"], "attention_tol": ATTENTION_TOL,
-                           "attention_timing": "kernel_s: CUDA graph of N calls / N (N up to 20, "
-                           "5 replays, median); summary: one call between events, L2 flushed",
+                           "attention_timing": "kernel_s: CUDA graph of N calls / N (N up to 20, up to "
+                           "5 replays, both cut to ~GRAPH_BUDGET_S, median); summary: one call between events, "
+                           "L2 flushed",
                            "seed_entropy": str(root.entropy), "grids": {}, "timing": {}}
     for device in ctx.devices:
         if device == "cuda" and not lib.has_cuda:
@@ -555,6 +570,9 @@ def table(results) -> str:
         else:
             rate = "-"
         status = "ok" if r["validation"].get("ok") else "INVALID: " + r["validation"].get("error", "")[:60]
+        errs = r["validation"].get("rel_err")
+        if r["validation"].get("ok") and r["bench"] == "verify_attention" and errs:
+            status += f" (err {max(errs.values()):.2g} <= {r['validation']['tol']:g})"
         rows.append([r["bench"], r["backend"], shape, s["median"] * 1e6 if s else None,
                      s["p10"] * 1e6 if s else None, s["p90"] * 1e6 if s else None, rate, status])
     return format_table(["kernel", "dev", "case", "median us", "p10 us", "p90 us", "rate", "check"], rows)

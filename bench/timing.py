@@ -7,7 +7,8 @@ Before each rep a buffer of twice the L2 size is overwritten (`flush_l2`), so th
 starts with a cold L2, as a kernel inside a decode step does (the layers before it evicted it).
 
 `time_cuda_graph`: the kernel alone, N calls captured in one CUDA graph, replayed, divided by N
-(one call between events also carries the launch from Python).
+(one call between events also carries the launch from Python); the one graph timer of the repo
+(the kernels and tree suites use it), with counts that adapt to a time budget.
 
 Every helper returns the raw samples; `summarize` turns them into the figures the JSON keeps
 beside them (median, min, p10, p90, mean, n).
@@ -131,26 +132,41 @@ def time_cuda(fn: Callable[[], object], warmup: int = 5, reps: int = 50, flush_l
 
 
 def time_cuda_graph(fn: Callable[[], object], calls: int = 20, reps: int = 20,
-                    warmup: int = 2) -> list[float]:
+                    warmup: int = 2, budget_s: float | None = None, call_s: float | None = None,
+                    min_reps: int = 3, stats: dict | None = None) -> list[float]:
     """Samples (s per call) of `fn()` as the kernel alone: `calls` calls captured in one CUDA
     graph (torch.cuda.CUDAGraph, on torch's current stream), replayed `reps` times between CUDA
     events, each sample the replay's time divided by `calls`. No L2 flush (the calls run back to
     back, as a step's kernels do). `fn` must launch its work on torch's current stream (set it
     with `torch.cuda.stream(...)` before preparing the call: capture refuses the legacy stream),
     with no host synchronisation and no allocation inside.
+
+    With `budget_s` the counts adapt to the call's time (`call_s`, else the first call's,
+    synchronised): `calls` shrinks so that the warm-up and timed replays fit the budget (at
+    least 1), then `reps` too (at least `min_reps`), so a slow call costs about `budget_s` and
+    a fast one keeps the full counts. `stats`, when given, receives {"calls", "reps"}.
     """
     import torch
 
     _check_counts("time_cuda_graph", warmup, reps)
     if calls < 1:
         raise ValueError(f"time_cuda_graph: calls must be >= 1, got {calls}")
+    if budget_s is not None and not budget_s > 0:
+        raise ValueError(f"time_cuda_graph: budget_s must be > 0, got {budget_s}")
     if not torch.cuda.is_available():
         raise RuntimeError("time_cuda_graph: torch reports no CUDA device")
     if torch.cuda.current_stream() == torch.cuda.default_stream():
         raise RuntimeError("time_cuda_graph: capture needs a side stream: prepare and time the "
                            "call inside `with torch.cuda.stream(torch.cuda.Stream()):`")
-    fn()  # first-call setup (function attributes) outside the capture
+    t0 = time.perf_counter()
+    fn()  # first-call setup (function attributes, workspaces) outside the capture
     torch.cuda.current_stream().synchronize()
+    first = time.perf_counter() - t0
+    torch.cuda.empty_cache()  # its cached temporaries would sit beside the graph's private pool
+    if budget_s is not None:
+        c = max(call_s if call_s is not None else first, 1e-7)
+        calls = max(1, min(calls, int(budget_s / ((reps + warmup) * c))))
+        reps = max(min(reps, min_reps), min(reps, int(budget_s / (calls * c)) - warmup))
     graph = torch.cuda.CUDAGraph()
     graph.capture_begin()
     try:
@@ -174,4 +190,6 @@ def time_cuda_graph(fn: Callable[[], object], calls: int = 20, reps: int = 20,
     if not all(math.isfinite(v) and v >= 0 for v in samples):
         raise RuntimeError(f"time_cuda_graph: events returned invalid times {samples[:4]}")
     del graph
+    if stats is not None:
+        stats.update(calls=calls, reps=reps)
     return samples

@@ -69,3 +69,26 @@ def test_time_cuda_samples_on_gpu():
     x = torch.ones(1 << 20, device="cuda")
     s = timing.time_cuda(lambda: x.mul_(1.0), warmup=2, reps=9, flush_l2=True)
     assert len(s) == 9 and all(v > 0 for v in s)
+
+
+def test_time_cuda_graph_rejects_bad_budget():
+    with pytest.raises(ValueError, match="budget_s must be > 0"):
+        timing.time_cuda_graph(lambda: None, budget_s=0.0)
+
+
+@pytest.mark.cuda
+def test_time_cuda_graph_adapts_counts_to_the_budget():
+    """A fast call keeps the full counts; a call that alone fills the budget gets one call per
+    graph and the minimum of replays; the samples are per call either way."""
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU (torch.cuda.is_available() is False)")
+    x = torch.ones(1 << 20, device="cuda")
+    with torch.cuda.stream(torch.cuda.Stream()):
+        fast, slow = {}, {}
+        s = timing.time_cuda_graph(lambda: x.mul_(1.0), calls=20, reps=5, budget_s=1.0,
+                                   call_s=1e-6, stats=fast)
+        assert fast == {"calls": 20, "reps": 5} and len(s) == 5 and min(s) > 0
+        s = timing.time_cuda_graph(lambda: x.mul_(1.0), calls=20, reps=5, budget_s=1e-3,
+                                   call_s=1e-3, min_reps=3, stats=slow)
+        assert slow == {"calls": 1, "reps": 3} and len(s) == 3 and min(s) > 0

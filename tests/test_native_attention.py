@@ -208,7 +208,7 @@ def _cuda_or_skip(attention):
         pytest.skip("libkdtree.so was built without CUDA (cuda/build.sh --arch cpu)")
 
 
-KIMI_GRID = [  # the mma path's shape (d_latent 512, d_rope 64): tiles of 16 cache rows, 16 x H rows
+KIMI_GRID = [  # the mma path's shape (d_latent 512, d_rope 64): tiles of 16 or 32 cache rows
     (2, 64, 512, 64, [300, 1000], [17, 64]),     # Kimi heads, ragged, several splits
     (1, 16, 512, 64, [5000], [65]),              # many prefix splits, tree past a 64-row tile
     (3, 3, 512, 64, [0, 37, 16], [1, 5, 33]),    # prefix 0 / 16 / 37, rows not a multiple of 16
@@ -217,9 +217,22 @@ KIMI_GRID = [  # the mma path's shape (d_latent 512, d_rope 64): tiles of 16 cac
 ]
 CUDA_GRID = GRID + KIMI_GRID
 # (path, dtype) pairs run on every grid case they can take; auto is what callers get.
+# mma16 / mma-small / mma-smallq: the mma path with KDT_MMA_TILE=16 / small / smallq (the
+# previous 16-row tile configuration and the two sm_120 ones, forced where they fit).
+MMA_VARIANTS = {"mma16": "16", "mma-small": "small", "mma-smallq": "smallq"}
 CUDA_PATHS = [("auto", "f32"), ("simt", "f32"), ("auto", "bf16"), ("simt", "bf16"), ("mma", "bf16"),
-              ("sm90a", "bf16")]
-TC_ONLY = ("mma", "sm90a")  # paths that take bf16 at d_latent 512 / d_rope 64 only
+              *((v, "bf16") for v in MMA_VARIANTS), ("sm90a", "bf16")]
+TC_ONLY = ("mma", *MMA_VARIANTS, "sm90a")  # paths that take bf16 at d_latent 512 / d_rope 64 only
+
+
+def _library_path(path, monkeypatch):
+    """The library's path name for a test path; an mma variant sets KDT_MMA_TILE (read per
+    call)."""
+    if path in MMA_VARIANTS:
+        monkeypatch.setenv("KDT_MMA_TILE", MMA_VARIANTS[path])
+        return "mma"
+    monkeypatch.delenv("KDT_MMA_TILE", raising=False)
+    return path
 
 
 def _path_or_skip(attention, path):
@@ -247,12 +260,13 @@ def _path_or_skip(attention, path):
 @pytest.mark.cuda
 @pytest.mark.parametrize("bs,H,dl,dr,prefixes,trees", CUDA_GRID)
 @pytest.mark.parametrize("path,dtype", CUDA_PATHS)
-def test_cuda_matches_reference(bs, H, dl, dr, prefixes, trees, path, dtype):
+def test_cuda_matches_reference(bs, H, dl, dr, prefixes, trees, path, dtype, monkeypatch):
     attention = _attention()
     _cuda_or_skip(attention)
     if path in TC_ONLY and (dl, dr) != (512, 64):
         pytest.skip(f"the {path} path takes d_latent 512 / d_rope 64 only (refusal of mma: "
                     "test_cuda_forced_path_errors)")
+    path = _library_path(path, monkeypatch)
     _path_or_skip(attention, path)
     seed = int(np.random.SeedSequence().entropy % 2**32)
     rng = np.random.default_rng(seed)
@@ -260,12 +274,13 @@ def test_cuda_matches_reference(bs, H, dl, dr, prefixes, trees, path, dtype):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("path", ["simt", "mma", "sm90a"])
-def test_cuda_masked_out_row_is_empty_state(path):
+@pytest.mark.parametrize("path", ["simt", "mma", *MMA_VARIANTS, "sm90a"])
+def test_cuda_masked_out_row_is_empty_state(path, monkeypatch):
     """A query that sees nothing (prefix 0, no visibility bit) gets out 0 and lse -inf on every
     CUDA path, and its neighbours are unaffected."""
     attention = _attention()
     _cuda_or_skip(attention)
+    path = _library_path(path, monkeypatch)
     _path_or_skip(attention, path)
     import torch
 
@@ -365,12 +380,13 @@ def _dense_f64_cuda(q_lat, q_pe, kv, qi, ki, vis, scale):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("path,dtype", CUDA_PATHS)
-def test_cuda_kimi_shape_long_prefix(path, dtype):
+def test_cuda_kimi_shape_long_prefix(path, dtype, monkeypatch):
     """Kimi K2 attention (64 heads, 512 + 64) with a 32k prefix and a 64-node tree: long
     chunks per prefix split, where accumulation bias would show (a fp32-bound tensor-core
     version once drifted to 2.7e-5 here on the H200), per path."""
     attention = _attention()
     _cuda_or_skip(attention)
+    path = _library_path(path, monkeypatch)
     _path_or_skip(attention, path)
     import torch
 

@@ -28,14 +28,17 @@
 // Accumulation is fp32 throughout (dot products, d, o) with bf16 inputs converted exactly.
 //
 // nvcc 13.0 -O3 -Xptxas -v: SIMT kernels (prefix / tree pass) sm_90 233-237 / 253-255
-// registers, sm_120 189-192 / 255, no spills, 1 block (8 warps) per SM; mma kernel 64 rows x 4
-// stages / 32 rows x 3 stages: sm_90 228 / 227 registers, sm_120 170 / 168, no spills; merge
-// kernel 52 (sm_90) / 62 (sm_120).
+// registers, sm_120 189-192 / 255, no spills, 1 block (8 warps) per SM; mma kernel 64 rows x 3
+// stages x 32-row tiles (default on sm_90) / 64 x 4 x 16 (KDT_MMA_TILE=16) / 32 x 3 x 16
+// (small) / 32 x 2 x 16 with query fragments in registers (smallq, sm_120's default): sm_90
+// 240 / 228 / 227 / 254 registers, sm_120 214 / 170 / 168 / 254, no spills; merge kernel 38
+// (sm_90) / 40 (sm_120).
 //
 // Measured on the H200 before the mma path (one run, Kimi K2 shape H 64, 512 + 64, tree 64,
 // bs 1, L2 flushed): fp32 SIMT 2.55 ms at P 4096 (14.5 TFLOP/s), 19.8 ms at P 32768; the old
 // bf16 tensor-core prefix kernel (hi + lo split of P, recomputed S) 0.62 / 4.41 ms (~60-66
-// TFLOP/s, ~9% of the measured bf16 GEMM). The mma path has not run on a GPU yet.
+// TFLOP/s, ~9% of the measured bf16 GEMM). First H200 run of the mma path (16-row tiles, CUDA
+// graph): 125 TFLOP/s at bs 1 P 32k T 64, 154 at bs 64 P 32k T 64 (16-19% of the GEMM).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -352,34 +355,103 @@ const char* mma_unsupported(const Params& prm, bool bf16) {
   return nullptr;
 }
 
-// The mma.sync configuration for the current device: 64 rows x 4 stages where a block may
-// use its shared memory (sm_90: 227 KB), else 32 rows x 3 stages (sm_120, sm_86: 99 KB).
-kdt_status launch_mma(const Params& prm, const VerifyAttentionPlan& plan, cudaStream_t stream) {
+// The mma grid's split-KV chunking: at most the plan's splits (its workspace), chosen so that
+// the blocks fill whole waves (`slots` = SMs x resident blocks per SM): the cost of s splits is
+// waves(s) x chunk(s), the fewest splits among the cheapest (less merge traffic). E.g. bs 64, tree 1, prefix 32k on 132 SMs: the plan's 5 splits are
+// 320 blocks in 3 waves of 6.6k cache rows; 2 splits are 128 blocks in one wave of 16.4k.
+void mma_chunking(Params& prm, int64_t row_blocks, int64_t sms) {
+  if (prm.splits <= 1 || sms <= 0 || row_blocks <= 0) return;
+  const int64_t kv = prm.max_kv, tile = VerifyAttentionPlan::kKvTile;
+  int64_t best_chunk = prm.chunk, best_splits = prm.splits;
+  int64_t best_cost = (row_blocks * prm.splits + sms - 1) / sms * prm.chunk;
+  for (int64_t s = prm.splits - 1; s >= 1; --s) {
+    const int64_t chunk = ((kv + s - 1) / s + tile - 1) / tile * tile;
+    const int64_t splits = (kv + chunk - 1) / chunk;
+    const int64_t cost = (row_blocks * splits + sms - 1) / sms * chunk;
+    if (cost <= best_cost) {
+      best_cost = cost;
+      best_chunk = chunk;
+      best_splits = splits;
+    }
+  }
+  prm.chunk = best_chunk;
+  prm.splits = best_splits;
+}
+
+// Launches one mma.sync configuration over (row blocks, splits, bs), then the merge when the
+// chunking gives more than one split.
+template <int kGroups, int kStages, int kBN, bool kQReg = false>
+cudaError_t launch_mma_config(Params prm, int sms, bool wave_chunking, cudaStream_t stream) {
+  using C = mma::Config<kGroups, kStages, kBN, kQReg>;
+  const cudaError_t e =
+      ensure_smem_limit<mma::attention_mma_kernel<kGroups, kStages, kBN, kQReg>>(C::kSmem);
+  if (e != cudaSuccess) return e;
+  const int64_t rows = int64_t(prm.max_tree) * prm.H;
+  const int64_t row_blocks = (rows + C::kRows - 1) / C::kRows;
+  if (wave_chunking) {
+    // resident blocks per SM: once per (configuration, device); a race only repeats the query
+    static std::atomic<int> per_sm[8];
+    int dev = 0, n = 0;
+    cudaError_t ge = cudaGetDevice(&dev);
+    if (ge != cudaSuccess) return ge;
+    if (dev < 8) n = per_sm[dev].load(std::memory_order_relaxed);
+    if (n <= 0) {
+      ge = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+          &n, mma::attention_mma_kernel<kGroups, kStages, kBN, kQReg>, C::kThreads, C::kSmem);
+      if (ge != cudaSuccess) return ge;
+      if (n < 1) n = 1;
+      if (dev < 8) per_sm[dev].store(n, std::memory_order_relaxed);
+    }
+    mma_chunking(prm, row_blocks * prm.bs, int64_t(sms) * n);
+  }
+  const dim3 grid(unsigned(row_blocks), unsigned(prm.splits), unsigned(prm.bs));
+  mma::attention_mma_kernel<kGroups, kStages, kBN, kQReg>
+      <<<grid, C::kThreads, C::kSmem, stream>>>(prm);
+  cudaError_t le = cudaGetLastError();
+  if (le != cudaSuccess || prm.splits <= 1) return le;
+  const dim3 mgrid(unsigned((rows * mma::kMergeQuarters + 7) / 8), 1u, unsigned(prm.bs));
+  mma::merge_kernel<<<mgrid, 256, 0, stream>>>(prm);
+  return cudaGetLastError();
+}
+
+// KDT_MMA_TILE (read per call) forces one mma configuration where it fits, for side-by-side
+// measurement: "16" the previous big one (16-row tiles, the plan's split count), "small" and
+// "smallq" the sm_120 ones (query tile in shared memory / query fragments in registers).
+enum class MmaConfig { kDefault, kBig16, kSmall, kSmallQ };
+MmaConfig mma_forced_config() {
+  const char* v = std::getenv("KDT_MMA_TILE");
+  if (!v) return MmaConfig::kDefault;
+  if (std::strcmp(v, "16") == 0) return MmaConfig::kBig16;
+  if (std::strcmp(v, "small") == 0) return MmaConfig::kSmall;
+  if (std::strcmp(v, "smallq") == 0) return MmaConfig::kSmallQ;
+  return MmaConfig::kDefault;
+}
+
+// The mma.sync configuration for the current device: 64 rows x 3 stages of 32-row tiles where
+// a block may use its shared memory (sm_90: 227 KB), else (sm_120, sm_86: 99 KB) 32 rows with
+// the query fragments in registers x 2 stages of 16-row tiles (two blocks per SM).
+kdt_status launch_mma(const Params& prm, cudaStream_t stream) {
   constexpr const char* fn = "kdt_verify_attention";
-  int dev = 0, optin = 0;
+  int dev = 0, optin = 0, sms = 0;
   KDT_CUDA_CHECK(cudaGetDevice(&dev), fn);
   KDT_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev), fn);
-  const int64_t rows = int64_t(prm.max_tree) * prm.H;
-  if (size_t(optin) >= mma::Big::kSmem) {
-    KDT_CUDA_CHECK((ensure_smem_limit<mma::attention_mma_kernel<4, 4>>(mma::Big::kSmem)), fn);
-    const dim3 grid(unsigned((rows + mma::Big::kRows - 1) / mma::Big::kRows), unsigned(plan.splits),
-                    unsigned(prm.bs));
-    mma::attention_mma_kernel<4, 4><<<grid, mma::Big::kThreads, mma::Big::kSmem, stream>>>(prm);
-  } else if (size_t(optin) >= mma::Small::kSmem) {
-    KDT_CUDA_CHECK((ensure_smem_limit<mma::attention_mma_kernel<2, 3>>(mma::Small::kSmem)), fn);
-    const dim3 grid(unsigned((rows + mma::Small::kRows - 1) / mma::Small::kRows),
-                    unsigned(plan.splits), unsigned(prm.bs));
-    mma::attention_mma_kernel<2, 3><<<grid, mma::Small::kThreads, mma::Small::kSmem, stream>>>(prm);
+  KDT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), fn);
+  const MmaConfig forced = mma_forced_config();
+  const size_t smem = size_t(optin);
+  if (forced == MmaConfig::kSmall && smem >= mma::Small::kSmem) {
+    KDT_CUDA_CHECK((launch_mma_config<2, 3, 16>(prm, sms, true, stream)), fn);
+  } else if (forced == MmaConfig::kSmallQ && smem >= mma::SmallQ::kSmem) {
+    KDT_CUDA_CHECK((launch_mma_config<2, 2, 16, true>(prm, sms, true, stream)), fn);
+  } else if (forced == MmaConfig::kBig16 && smem >= mma::Big16::kSmem) {
+    KDT_CUDA_CHECK((launch_mma_config<4, 4, 16>(prm, sms, false, stream)), fn);
+  } else if (smem >= mma::Big::kSmem) {
+    KDT_CUDA_CHECK((launch_mma_config<4, 3, 32>(prm, sms, true, stream)), fn);
+  } else if (smem >= mma::SmallQ::kSmem) {
+    KDT_CUDA_CHECK((launch_mma_config<2, 2, 16, true>(prm, sms, true, stream)), fn);
   } else {
     return set_error(KDT_ERR_UNSUPPORTED, fn,
                      "the mma path needs %zu bytes of shared memory per block; device %d allows %d",
-                     mma::Small::kSmem, dev, optin);
-  }
-  KDT_CUDA_CHECK(cudaGetLastError(), fn);
-  if (plan.splits > 1) {
-    const dim3 grid(unsigned((rows + 7) / 8), 1u, unsigned(prm.bs));
-    mma::merge_kernel<<<grid, 256, 0, stream>>>(prm);
-    KDT_CUDA_CHECK(cudaGetLastError(), fn);
+                     mma::SmallQ::kSmem, dev, optin);
   }
   return KDT_OK;
 }
@@ -458,7 +530,7 @@ kdt_status verify_attention_cuda(const VerifyAttentionArgs& a, VerifyPath path, 
       if (why_not_mma)
         return set_error(KDT_ERR_UNSUPPORTED, fn, "KDT_VERIFY_PATH=mma: the mma path cannot take "
                          "this call: %s", why_not_mma);
-      return launch_mma(prm, plan, s);
+      return launch_mma(prm, s);
     case VerifyPath::kSm90a:
       return verify_attention_sm90a(a, stream, workspace, workspace_bytes);
     case VerifyPath::kCpu:
@@ -477,7 +549,7 @@ kdt_status verify_attention_cuda(const VerifyAttentionArgs& a, VerifyPath path, 
     if (st != KDT_ERR_UNSUPPORTED) return st;
     clear_error();  // not built for sm_90a (or not this shape): the mma path takes it
   }
-  return launch_mma(prm, plan, s);
+  return launch_mma(prm, s);
 }
 
 }  // namespace kdt
