@@ -33,6 +33,12 @@
 #include "kdtree/hd.h"
 #include "tree_build_core.h"
 
+#if defined(__CUDACC__)
+#define KDT_PAR_UNROLL _Pragma("unroll")
+#else
+#define KDT_PAR_UNROLL
+#endif
+
 namespace kdt {
 namespace tree {
 namespace par {
@@ -184,16 +190,27 @@ KDT_HD int child_walk(Shared& S, const float* lp, int K, int budget, int e, int 
   const float* row = lp + (size_t)(d - 1) * K;
   double s = first_score(S, lp, K, e, d);
   if (d > 1 && s > S.score[S.cur][e]) atomic_or(&S.flags, kAnomaly);
+  const int lim = K < budget ? K : budget;
+  const double t = S.t_lo;  // changes only between phases
   int r = 0;
-  while (r < K && r < budget && s >= S.t_lo) {
-    f(r, s);
-    if (r + 1 < K) {
-      // (score - lp[d-1][r]) + lp[d-1][r+1], left to right in float64 (DDTREE.md section 2)
-      const double nx = (s - (double)row[r]) + (double)row[r + 1];
-      if (nx > s) atomic_or(&S.flags, kAnomaly);
-      s = nx;
+  // The chain's critical path is two float64 adds a step: the row values are loaded four steps
+  // ahead (independent of the scores), so no shared-memory load waits inside it.
+  while (r < lim && s >= t) {
+    float v[5];
+    KDT_PAR_UNROLL
+    for (int j = 0; j < 5; ++j) v[j] = r + j < K ? row[r + j] : 0.0f;
+    KDT_PAR_UNROLL
+    for (int j = 0; j < 4; ++j) {
+      if (j > 0 && !(r < lim && s >= t)) return r;
+      f(r, s);
+      if (r + 1 < K) {
+        // (score - lp[d-1][r]) + lp[d-1][r+1], left to right in float64 (DDTREE.md section 2)
+        const double nx = (s - (double)v[j]) + (double)v[j + 1];
+        if (nx > s) atomic_or(&S.flags, kAnomaly);
+        s = nx;
+      }
+      ++r;
     }
-    ++r;
   }
   return r;
 }
