@@ -255,31 +255,47 @@ KDT_WARP_UNROLL
 template <int S>
 struct CpuWarp {
   Lane<S> lanes[32];
+  // KDT_HD with host-only bodies (as CpuBlock in tree_build_cpu.cpp): nvcc compiles the CPU
+  // backend too, and build<S, CpuWarp> is __host__ __device__.
   template <class F>
-  void each(F f) {
+  KDT_HD void each(F f) {
+#if !defined(__CUDA_ARCH__)
     for (int l = 0; l < 32; ++l) f(lanes[l], l);
+#endif
   }
   template <class F>
-  uint32_t max(F f) {
+  KDT_HD uint32_t max(F f) {
     uint32_t m = 0;
+#if !defined(__CUDA_ARCH__)
     for (int l = 0; l < 32; ++l) { const uint32_t v = f(lanes[l], l); m = v > m ? v : m; }
+#endif
     return m;
   }
   template <class F>
-  uint32_t min(F f) {
+  KDT_HD uint32_t min(F f) {
     uint32_t m = 0xFFFFFFFFu;
+#if !defined(__CUDA_ARCH__)
     for (int l = 0; l < 32; ++l) { const uint32_t v = f(lanes[l], l); m = v < m ? v : m; }
+#endif
     return m;
   }
   template <class F>
-  uint32_t ballot(F f) {
+  KDT_HD uint32_t ballot(F f) {
     uint32_t m = 0;
+#if !defined(__CUDA_ARCH__)
     for (int l = 0; l < 32; ++l) m |= f(lanes[l], l) ? 1u << l : 0u;
+#endif
     return m;
   }
   template <class F>
-  uint32_t shfl(F f, int src) { return f(lanes[src], src); }
-  void sync() {}
+  KDT_HD uint32_t shfl(F f, int src) {
+#if !defined(__CUDA_ARCH__)
+    return f(lanes[src], src);
+#else
+    return 0;
+#endif
+  }
+  KDT_HD void sync() {}
 };
 
 }  // namespace wrp
