@@ -68,13 +68,26 @@ KDT_HD double unordered(uint64_t u) {
   return v.d;
 }
 
-KDT_HD int atomic_add(int* p, int v) {
+// Shared-memory atomics, aggregated over the warp's active lanes on CUDA (one atomic per warp
+// and address instead of one per thread: up to 512 threads hit one address in refine). Sums,
+// minima and maxima do not depend on the order, so the CPU's plain updates give the same values.
+KDT_HD void atomic_add(int* p, int v) {
 #if defined(__CUDA_ARCH__)
-  return atomicAdd(p, v);
+  const unsigned m = __activemask();
+  const int s = __reduce_add_sync(m, v);
+  if ((int)(threadIdx.x & 31) == __ffs((int)m) - 1) atomicAdd(p, s);
 #else
-  const int o = *p;
   *p += v;
-  return o;
+#endif
+}
+// hist[bin] += 1, lanes with equal bins aggregated.
+KDT_HD void hist_add(int* hist, int bin) {
+#if defined(__CUDA_ARCH__)
+  const unsigned m = __activemask();
+  const unsigned peers = __match_any_sync(m, bin);
+  if ((int)(threadIdx.x & 31) == __ffs((int)peers) - 1) atomicAdd(&hist[bin], __popc(peers));
+#else
+  ++hist[bin];
 #endif
 }
 KDT_HD void atomic_or(int* p, int v) {
@@ -86,14 +99,23 @@ KDT_HD void atomic_or(int* p, int v) {
 }
 KDT_HD void atomic_max(unsigned long long* p, unsigned long long v) {
 #if defined(__CUDA_ARCH__)
-  atomicMax(p, v);
+  const unsigned m = __activemask();
+  const unsigned hi = __reduce_max_sync(m, (unsigned)(v >> 32));
+  const unsigned lo = __reduce_max_sync(m, (unsigned)(v >> 32) == hi ? (unsigned)v : 0u);
+  if ((int)(threadIdx.x & 31) == __ffs((int)m) - 1)
+    atomicMax(p, ((unsigned long long)hi << 32) | lo);
 #else
   if (v > *p) *p = v;
 #endif
 }
 KDT_HD void atomic_min(unsigned long long* p, unsigned long long v) {
 #if defined(__CUDA_ARCH__)
-  atomicMin(p, v);
+  const unsigned m = __activemask();
+  const unsigned hi = __reduce_min_sync(m, (unsigned)(v >> 32));
+  const unsigned lo =
+      __reduce_min_sync(m, (unsigned)(v >> 32) == hi ? (unsigned)v : 0xFFFFFFFFu);
+  if ((int)(threadIdx.x & 31) == __ffs((int)m) - 1)
+    atomicMin(p, ((unsigned long long)hi << 32) | lo);
 #else
   if (v < *p) *p = v;
 #endif
@@ -265,7 +287,7 @@ KDT_HD void refine(Block& blk, Shared& S, int budget, const float* lp, int K, in
     const double v = (hi - s) * scale;
     return v >= (double)(kBins - 1) ? kBins - 1 : (v > 0.0 ? (int)v : 0);
   };
-  blk.run([&](int t) { visit(t, [&](double sc) { atomic_add(&S.hist[bin(sc)], 1); }); });
+  blk.run([&](int t) { visit(t, [&](double sc) { hist_add(S.hist, bin(sc)); }); });
   blk.run_warp([&](int t) {  // warp 0 writes the group sums, thread 0 reads them next
     if (t >= 32) return;
     constexpr int g = kBins / 32;
