@@ -298,10 +298,23 @@ KDT_HD void refine(Block& blk, Shared& S, int budget, const float* lp, int K, in
   blk.run([&](int t) {
     if (t != 0) return;
     constexpr int g = kBins / 32;
+    // The first group whose cumulative count reaches budget, then the bin inside it. Fixed
+    // trip counts with a "done" flag: the loads do not wait on the comparisons.
     int cum = 0, grp = 0;
-    while (grp < 31 && cum + S.hist[kBins + grp] < budget) cum += S.hist[kBins + grp++];
+    bool done = false;
+    KDT_PAR_UNROLL
+    for (int k = 0; k < 31; ++k) {
+      const int v = S.hist[kBins + k];
+      if (!done && cum + v < budget) { cum += v; grp = k + 1; } else { done = true; }
+    }
     int j = grp * g;
-    while (j < kBins - 1 && cum + S.hist[j] < budget) cum += S.hist[j++];
+    done = false;
+    KDT_PAR_UNROLL
+    for (int k = 0; k < g; ++k) {
+      const int v = S.hist[grp * g + k];
+      if (!done && grp * g + k < kBins - 1 && cum + v < budget) { cum += v; j = grp * g + k + 1; }
+      else { done = true; }
+    }
     S.cut_bin = j;
     S.cut_count = cum + S.hist[j];
     S.umin = ~0ull;
