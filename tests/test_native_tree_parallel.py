@@ -145,6 +145,17 @@ def test_cuda_modes_match_reference(monkeypatch, cuda_ready, mode, budget):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("budget", [15, 255])
+def test_cuda_warp_large_batch(monkeypatch, cuda_ready, budget):
+    # bs > 512: four requests (warps) per CTA, the last CTA partly empty.
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    for ties in (False, True):
+        _check(monkeypatch, "warp", rng, 522, 15, min(budget, 32), budget, ties, seed,
+               device="cuda")
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("mode", ["parallel", "warp"])
 @pytest.mark.parametrize("positive", [False, True])
 def test_cuda_parallel_adversarial(monkeypatch, cuda_ready, positive, mode):
