@@ -302,17 +302,24 @@ struct GpuWarp {
   __device__ __forceinline__ void sync() { __syncwarp(); }
 };
 
-// Per-warp shared memory: node scores [n] (8 bytes), node cands [n] (4), first_child and
-// next_sibling [n] (2 each), then the request's log-probs when they take <= kWarpStageBytes;
-// rounded up to 8 bytes. At most 16 x 256 + 8 KB = 12 KB a warp.
+// Per-warp shared memory: node scores [n] (8 bytes), its root id and seq_len, the request's
+// token ids when they take
+// <= kWarpStageBytes, node cands [n] (4), first_child and next_sibling [n] (2 each), then its
+// log-probs when they take <= kWarpStageBytes; rounded up to 8 bytes. At most 16 x 256 + 16 KB
+// = 20 KB a warp. Both are loaded at the start, in one round trip: the pops then read the
+// log-probs and the output pass the ids at shared-memory latency.
 constexpr int kWarpStageBytes = 8 * 1024;
 __host__ __device__ size_t warp_stage_bytes(int L, int K) {
   const size_t b = (size_t)L * K * sizeof(float);
   return b <= (size_t)kWarpStageBytes ? b : 0;
 }
+__host__ __device__ size_t warp_ids_bytes(int L, int K) {
+  const size_t b = (size_t)L * K * sizeof(int64_t);
+  return b <= (size_t)kWarpStageBytes ? b : 0;
+}
 __host__ __device__ size_t warp_smem_per(int budget, int L, int K) {
   const size_t n = (size_t)budget + 1;
-  return (16 * n + warp_stage_bytes(L, K) + 7) / 8 * 8;
+  return (16 * n + 16 + warp_ids_bytes(L, K) + warp_stage_bytes(L, K) + 7) / 8 * 8;
 }
 
 // The warp writes one request's outputs: slots (lanes on consecutive slots), then visibility
@@ -321,9 +328,8 @@ __host__ __device__ size_t warp_smem_per(int budget, int L, int K) {
 __device__ void warp_write_outputs(const TreeBuildArgs& a, int b, int n, int W, int used,
                                    const uint32_t* node_cand, const double* node_score,
                                    const int16_t* fc, const int16_t* ns, const int64_t* ids,
-                                   int lane) {
+                                   int64_t root, int64_t seq_len, int lane) {
   const size_t o = (size_t)b * n;
-  const int64_t seq_len = a.seq_lens[b];
   for (int i = lane; i < n; i += 32) {
     if (i >= used) {
       a.tokens[o + i] = -1; a.parents[o + i] = -1; a.depths[o + i] = -1;
@@ -333,7 +339,7 @@ __device__ void warp_write_outputs(const TreeBuildArgs& a, int b, int n, int W, 
     }
     const uint32_t c = node_cand[i];
     const int d = tree::cand_depth(c);
-    a.tokens[o + i] = i == 0 ? a.root_ids[b] : ids[(size_t)(d - 1) * a.K + tree::cand_rank(c)];
+    a.tokens[o + i] = i == 0 ? root : ids[(size_t)(d - 1) * a.K + tree::cand_rank(c)];
     a.parents[o + i] = i == 0 ? -1 : tree::cand_parent(c);
     a.depths[o + i] = d;
     a.positions[o + i] = seq_len + d;
@@ -371,34 +377,47 @@ __global__ void __launch_bounds__(128) tree_build_warp_kernel(TreeBuildArgs a) {
   char* base = reinterpret_cast<char*>(smem) +
                (size_t)(threadIdx.x >> 5) * warp_smem_per(a.budget, a.L, a.K);
   double* node_score = reinterpret_cast<double*>(base);
-  uint32_t* node_cand = reinterpret_cast<uint32_t*>(node_score + n);
+  int64_t* meta = reinterpret_cast<int64_t*>(node_score + n);  // root id, seq_len
+  int64_t* ids_staged = meta + 2;
+  uint32_t* node_cand = reinterpret_cast<uint32_t*>(
+      reinterpret_cast<char*>(ids_staged) + warp_ids_bytes(a.L, a.K));
   int16_t* fc = reinterpret_cast<int16_t*>(node_cand + n);
   int16_t* ns = fc + n;
   const size_t lk = (size_t)a.L * a.K;
   const float* lp = a.top_logp + b * lk;
   const int64_t* ids = a.top_ids + b * lk;
+  if (lane == 0) meta[0] = __ldg(a.root_ids + b);  // (not held in registers over the build)
+  if (lane == 1) meta[1] = __ldg(a.seq_lens + b);
   if (warp_stage_bytes(a.L, a.K)) {
     float* staged = reinterpret_cast<float*>(ns + n);
     for (size_t i = lane; i < lk; i += 32) staged[i] = __ldg(lp + i);
     lp = staged;
-    __syncwarp();
   }
+  if (warp_ids_bytes(a.L, a.K)) {
+    for (size_t i = lane; i < lk; i += 32) ids_staged[i] = __ldg(ids + i);
+    ids = ids_staged;
+  }
+  __syncwarp();
   tree::Scratch ks{};
   tree::set_key_layout(ks, a.L, a.K);
   GpuWarp<S> w;
   w.lane = lane;
   const int used = tree::wrp::build<S>(w, lp, a.L, a.K, a.budget, ks.key_bits, ks.key_depth,
                                        {node_score, node_cand, fc, ns});
-  warp_write_outputs(a, b, n, W, used, node_cand, node_score, fc, ns, ids, lane);
+  warp_write_outputs(a, b, n, W, used, node_cand, node_score, fc, ns, ids, meta[0], meta[1],
+                     lane);
 }
 
 kdt_status launch_warp_build(const TreeBuildArgs& a, cudaStream_t st) {
   static const char* fn = "kdt_tree_build";
   // One warp per CTA while the batch fits the device many times over (each request then has an
-  // SM's issue slots to itself at small batches); 4 per CTA beyond.
-  const int R = a.bs <= 512 ? 1 : 4;
+  // SM's issue slots to itself at small batches); up to 4 per CTA beyond, within the 48 KB of
+  // shared memory that needs no opt-in.
+  const size_t per = warp_smem_per(a.budget, a.L, a.K);
+  int R = a.bs <= 512 ? 1 : 4;
+  while (R > 1 && (size_t)R * per > 48 * 1024) --R;
   const int grid = (a.bs + R - 1) / R;
-  const size_t smem = (size_t)R * warp_smem_per(a.budget, a.L, a.K);
+  const size_t smem = (size_t)R * per;
   switch (tree::wrp::slots_for(a.budget)) {
     case 1: tree_build_warp_kernel<1><<<grid, 32 * R, smem, st>>>(a); break;
     case 2: tree_build_warp_kernel<2><<<grid, 32 * R, smem, st>>>(a); break;
