@@ -2,8 +2,9 @@
 each case validated against the reference, then timed as the kernel alone (a CUDA graph of 20
 calls / 20) and as one call between events; the native CPU backend beside it. Prints one line per
 case and PASS / FAIL per goal; exits 1 on a wrong tree or a missed goal. Builds: KDT_TREE_BUILD
-auto (the default, which the goals judge), parallel (budgets <= 255, where auto runs the warp
-build) and serial; accepts: KDT_TREE_ACCEPT table (the default, judged) and walk.
+auto (the default, which the goals judge: warp up to budget 255, parallel above), parallel
+(budgets <= 255), warp (budgets > 255) and serial; accepts: KDT_TREE_ACCEPT table (the default,
+judged) and walk.
 
     KDTREE_LIB=build/h200/libkdtree.so python3 -m bench.tree_goals
 """
@@ -52,7 +53,7 @@ def main() -> int:
             ref = ddtree.build_tree(inp["top_logp"], inp["top_ids"], budget, inp["root_ids"],
                                     inp["seq_lens"])
             for algo in (("auto", "parallel", "serial") if budget <= 255
-                         else ("auto", "serial")):
+                         else ("auto", "warp", "serial")):
                 with side_stream("cuda"), tree_algo(algo):
                     p = prepare_tree_build(lib, "cuda", inp, budget)
                     p.run()

@@ -5,7 +5,7 @@ KDT_TREE_BUILD picks the algorithm per call: on the CPU backend "parallel" runs 
 kernel's block-synchronous code thread by thread (KDT_TREE_BUILD_THREADS threads), so it is
 checked here without a GPU; "parallel-strict" refuses the serial fallback, which proves that the
 parallel path itself built the tree; "warp" runs the one-warp best-first build lane by lane
-(budgets <= 255; larger ones run "parallel"). On CUDA "auto" (the default: warp up to budget 255,
+(budgets <= 1023; 1024 runs "parallel"). On CUDA "auto" (the default: warp up to budget 255,
 parallel above), "warp", "parallel" and "serial" (the earlier kernel) must all equal the
 reference. Fresh random inputs; failures carry the seed.
 """
@@ -78,7 +78,7 @@ def test_parallel_cpu_strict_small_ties(monkeypatch):
                int(rng.integers(1, min(budget, 4) + 1)), budget, True, seed)
 
 
-WARP_BUDGETS = [b for b in BUDGETS if b <= 256]
+WARP_BUDGETS = BUDGETS
 
 
 @pytest.mark.parametrize("budget", WARP_BUDGETS)
@@ -145,7 +145,7 @@ def test_cuda_modes_match_reference(monkeypatch, cuda_ready, mode, budget):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("budget", [15, 255])
+@pytest.mark.parametrize("budget", [15, 255, 1023])
 def test_cuda_warp_large_batch(monkeypatch, cuda_ready, budget):
     # bs > 512: four requests (warps) per CTA, the last CTA partly empty.
     seed = secrets.randbits(32)
@@ -166,4 +166,5 @@ def test_cuda_parallel_adversarial(monkeypatch, cuda_ready, positive, mode):
         args = _adversarial(rng, 4, 15, min(budget, 64), positive)
         ref = ddtree.build_tree(*args[:2], budget, *args[2:])
         got = native().build_tree(*args[:2], budget, *args[2:], device="cuda")
-        assert_same(got, ref, FIELDS_TREE, f"seed={seed} mode={mode} budget={budget} positive={positive}")
+        assert_same(got, ref, FIELDS_TREE,
+                    f"seed={seed} mode={mode} budget={budget} positive={positive}")

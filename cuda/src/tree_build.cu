@@ -2,10 +2,12 @@
 // synchronisation and no allocation: safe under CUDA graph capture.
 //
 // KDT_TREE_BUILD (read per call on the host) picks the algorithm:
-//   auto (the default, unset): warp for budgets <= tree::wrp::kMaxBudget (255), parallel above.
+//   auto (the default, unset): warp for budgets <= tree::wrp::kAutoMaxBudget (255), parallel
+//     above.
 //   warp: tree_build_warp.h, one warp per request (one CTA of one warp per request up to bs 512,
-//     four warps per CTA beyond); no block barrier; the frontier in registers. Budgets above 255
-//     run the parallel build.
+//     up to four warps per CTA beyond); no block barrier; the frontier in registers (S = 16 and
+//     32 slots per lane for budgets 256..1023: 151 and 253 registers on sm_90). Budget 1024 runs
+//     the parallel build.
 //   parallel: tree_build_parallel.h with 128-512 threads per block (level-by-level
 //     expansion under a rising score bound, then a bitonic sort of the kept nodes); a request it
 //     declines (a score above its generator, or a pool overflow from masses of exact ties) is
@@ -422,7 +424,9 @@ kdt_status launch_warp_build(const TreeBuildArgs& a, cudaStream_t st) {
     case 1: tree_build_warp_kernel<1><<<grid, 32 * R, smem, st>>>(a); break;
     case 2: tree_build_warp_kernel<2><<<grid, 32 * R, smem, st>>>(a); break;
     case 4: tree_build_warp_kernel<4><<<grid, 32 * R, smem, st>>>(a); break;
-    default: tree_build_warp_kernel<8><<<grid, 32 * R, smem, st>>>(a); break;
+    case 8: tree_build_warp_kernel<8><<<grid, 32 * R, smem, st>>>(a); break;
+    case 16: tree_build_warp_kernel<16><<<grid, 32 * R, smem, st>>>(a); break;
+    default: tree_build_warp_kernel<32><<<grid, 32 * R, smem, st>>>(a); break;
   }
   KDT_CUDA_CHECK(cudaGetLastError(), fn);
   return KDT_OK;
@@ -455,7 +459,8 @@ kdt_status tree_build_cuda(const TreeBuildArgs& a, void* stream) {
   static const char* fn = "kdt_tree_build";
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   const Mode mode = mode_from_env();
-  if ((mode == Mode::kAuto || mode == Mode::kWarp) && a.budget <= tree::wrp::kMaxBudget)
+  if ((mode == Mode::kAuto && a.budget <= tree::wrp::kAutoMaxBudget) ||
+      (mode == Mode::kWarp && a.budget <= tree::wrp::kMaxBudget))
     return launch_warp_build(a, st);
   if (mode != Mode::kSerial) {
     const int T = tree::par::threads_for(a.budget);

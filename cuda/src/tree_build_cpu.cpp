@@ -3,8 +3,8 @@
 //
 // KDT_TREE_BUILD (read per call) picks the algorithm: "serial" (the default here: the binary
 // heap, the fastest on one CPU core), "warp": the CUDA kernel's one-warp best-first build
-// (tree_build_warp.h) emulated lane by lane (budgets above tree::wrp::kMaxBudget run the parallel
-// build, as on CUDA), or "parallel": the CUDA kernel's block-synchronous
+// (tree_build_warp.h) emulated lane by lane (budget 1024, above tree::wrp::kMaxBudget, runs the
+// parallel build, as on CUDA), or "parallel": the CUDA kernel's block-synchronous
 // algorithm (tree_build_parallel.h) emulated thread by thread, with KDT_TREE_BUILD_THREADS
 // threads (default: the CUDA launch's count), so that it is tested without a GPU. A request
 // the parallel algorithm declines (tree_build_parallel.h) falls back to the heap, as on CUDA;
@@ -80,7 +80,9 @@ int warp_build_any(const float* lp, int L, int K, int budget, const tree::Scratc
     case 1: return warp_build<1>(lp, L, K, budget, s, N);
     case 2: return warp_build<2>(lp, L, K, budget, s, N);
     case 4: return warp_build<4>(lp, L, K, budget, s, N);
-    default: return warp_build<8>(lp, L, K, budget, s, N);
+    case 8: return warp_build<8>(lp, L, K, budget, s, N);
+    case 16: return warp_build<16>(lp, L, K, budget, s, N);
+    default: return warp_build<32>(lp, L, K, budget, s, N);
   }
 }
 

@@ -39,8 +39,9 @@ namespace kdt {
 namespace tree {
 namespace wrp {
 
-constexpr int kMaxSlots = 8;                   // slots per lane
-constexpr int kMaxBudget = 32 * kMaxSlots - 1;  // 255: the largest budget this build takes
+constexpr int kMaxSlots = 32;                  // slots per lane
+constexpr int kMaxBudget = 32 * kMaxSlots - 1;  // 1023: the largest budget this build takes
+constexpr int kAutoMaxBudget = 255;             // KDT_TREE_BUILD=auto: warp up to here
 
 // Slots per lane for a budget: the smallest power of two S with 32 S >= budget + 1.
 KDT_HD int slots_for(int budget) {
@@ -50,7 +51,7 @@ KDT_HD int slots_for(int budget) {
 }
 
 // Order-preserving 64-bit image of a score (a > b iff ord(a) > ord(b)); -0.0 and +0.0 map to
-// one value (they compare equal as doubles). Never 0 for a real score: 0 marks an empty slot.
+// one value (they compare equal as doubles). Never 0 for a real score.
 KDT_HD uint64_t ord(double x) {
   if (x == 0.0) x = 0.0;
   union { double d; uint64_t u; } v;
@@ -87,12 +88,11 @@ KDT_HD int popc32(uint32_t m) {
 // One lane's share of the frontier: S slots and a copy of the best of them.
 template <int S>
 struct Lane {
-  uint64_t su[S];    // ord(score); 0: empty
-  double sc[S];      // the score itself
+  double sc[S];      // the score
   uint64_t key[S];   // rank-path prefix key
-  uint32_t cand[S];  // tree::pack(parent node, rank, depth)
+  uint32_t cand[S];  // tree::pack(parent node, rank, depth); 0: an empty slot (depth >= 1)
   int prev[S];       // node index of the left sibling (-1 for rank 0)
-  uint64_t bsu, bkey;
+  uint64_t bsu, bkey;  // bsu: ord(best score), 0 when every slot is empty
   double bsc;
   uint32_t bcand;
   int bprev, best;   // best: the slot, -1 when every slot is empty
@@ -114,11 +114,12 @@ KDT_HD void rescan(Lane<S>& x, int key_depth, const uint32_t* node_cand) {
   x.bsu = 0;
 KDT_WARP_UNROLL
   for (int k = 0; k < S; ++k) {
-    if (x.su[k] == 0) continue;
+    if (x.cand[k] == 0) continue;
+    const uint64_t u = ord(x.sc[k]);
     if (x.best < 0 ||
-        precedes(x.su[k], x.key[k], x.cand[k], x.bsu, x.bkey, x.bcand, key_depth, node_cand)) {
+        precedes(u, x.key[k], x.cand[k], x.bsu, x.bkey, x.bcand, key_depth, node_cand)) {
       x.best = k;
-      x.bsu = x.su[k];
+      x.bsu = u;
       x.bsc = x.sc[k];
       x.bkey = x.key[k];
       x.bcand = x.cand[k];
@@ -133,7 +134,6 @@ KDT_HD void put(Lane<S>& x, int s, double sc, uint64_t key, uint32_t cand, int p
 KDT_WARP_UNROLL
   for (int k = 0; k < S; ++k) {
     if (k != s) continue;
-    x.su[k] = ord(sc);
     x.sc[k] = sc;
     x.key[k] = key;
     x.cand[k] = cand;
@@ -144,7 +144,7 @@ template <int S>
 KDT_HD void clear(Lane<S>& x, int s) {
 KDT_WARP_UNROLL
   for (int k = 0; k < S; ++k)
-    if (k == s) x.su[k] = 0;
+    if (k == s) x.cand[k] = 0;
 }
 
 // Node arrays of one request (node order, slot 0 the root), as tree::build_one fills them.
@@ -164,7 +164,7 @@ KDT_HD int build(Warp& w, const float* lp, int L, int K, int budget, int key_bit
   const uint32_t* nc = N.cand;
   w.each([&](Lane<S>& x, int lane) {
 KDT_WARP_UNROLL
-    for (int k = 0; k < S; ++k) x.su[k] = 0;
+    for (int k = 0; k < S; ++k) x.cand[k] = 0;
     if (lane == 0) put(x, 0, (double)lp[0], 0ull, pack(0, 0, 1), -1);
     N.cand[0] = 0;
     if (lane == 0) {
@@ -208,7 +208,8 @@ KDT_WARP_UNROLL
     const uint32_t cand = w.shfl([](const Lane<S>& x, int) { return x.bcand; }, wl);
     const uint32_t khi = w.shfl([](const Lane<S>& x, int) { return (uint32_t)(x.bkey >> 32); }, wl);
     const uint32_t klo = w.shfl([](const Lane<S>& x, int) { return (uint32_t)x.bkey; }, wl);
-    const uint32_t shi = w.shfl([](const Lane<S>& x, int) { return (uint32_t)(bits(x.bsc) >> 32); }, wl);
+    const uint32_t shi =
+        w.shfl([](const Lane<S>& x, int) { return (uint32_t)(bits(x.bsc) >> 32); }, wl);
     const uint32_t slo = w.shfl([](const Lane<S>& x, int) { return (uint32_t)bits(x.bsc); }, wl);
     const int prev = (int)w.shfl([](const Lane<S>& x, int) { return (uint32_t)x.bprev; }, wl);
     const uint64_t key = ((uint64_t)khi << 32) | klo;
