@@ -1,8 +1,10 @@
 """Which tree-build algorithm the library runs (KDT_TREE_BUILD, read per call), and the side
 stream the kernel-alone timing needs (graph capture refuses the legacy default stream).
 
-CUDA: "parallel" (the default kernel) and "serial" (the earlier kernel, kept as the reference
-path). CPU: "serial" (the backend's binary heap; the parallel algorithm's CPU emulation is a
+CUDA: "auto" (the default: the one-warp build up to budget 255, the block-parallel one above),
+"parallel" (the block-parallel build at every budget) and "serial" (the earlier kernel, kept as the
+reference path); "warp" (the one-warp build at budgets up to 1023) equals "auto" up to 255 and
+is timed above that by bench/tree_goals.py only. CPU: "serial" (the backend's binary heap; the parallel algorithm's CPU emulation is a
 test path, not a fast one).
 """
 
@@ -11,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 
-ALGOS = {"cuda": ("parallel", "serial"), "cpu": ("serial",)}
+ALGOS = {"cuda": ("auto", "parallel", "serial"), "cpu": ("serial",)}
 
 
 @contextlib.contextmanager

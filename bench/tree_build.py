@@ -1,10 +1,12 @@
 """Suite `tree_build`: the head-to-head at identical inputs, per (bs, budget).
 
 Backends:
-  native-cuda   kdt_tree_build's CUDA kernel (the parallel build), a bare C-ABI call timed with
+  native-cuda   kdt_tree_build's CUDA kernel (the default, KDT_TREE_BUILD=auto: the one-warp build
+                up to budget 255, the block-parallel build above), a bare C-ABI call timed with
                 CUDA events (inputs and outputs stay on the device; no L2 flush: a real step's
                 drafter has just written the inputs, so they are L2-hot); the record's
                 `kernel_alone` times the kernel alone (a CUDA graph of 20 calls, replayed, / 20)
+  native-cuda-parallel  the same with KDT_TREE_BUILD=parallel (the block-parallel build always)
   native-cuda-serial  the same with KDT_TREE_BUILD=serial (the earlier serial kernel)
   native-cpu    the library's CPU backend, bare call, monotonic clock
   sglang-<dev>  engine.baselines.sglang_cpu.build_tree on torch tensors on <dev> (cuda when a

@@ -3,6 +3,9 @@
 Trees come from the reference build on fresh random inputs (seed in every message); targets
 follow a random tree path (all-accept down to a leaf), reject at the root, or are random;
 malformed trees get random links, cycles, out-of-range indices and duplicate sibling tokens.
+KDT_TREE_ACCEPT picks the algorithm per call: "walk" (the reference walk, the CPU default) or
+"table" (the CUDA default: the match-table phases of cuda/src/tree_accept_table.h, which the CPU
+backend runs lane by lane); every test runs both.
 """
 
 from __future__ import annotations
@@ -20,6 +23,12 @@ from native_helpers import (  # noqa: F401 (fixtures)
     skip_cuda_without_gpu)
 
 pytestmark = pytest.mark.native
+
+
+@pytest.fixture(params=["walk", "table"], autouse=True)
+def accept_algo(request, monkeypatch):
+    monkeypatch.setenv("KDT_TREE_ACCEPT", request.param)
+    return request.param
 
 
 @dataclass
@@ -88,6 +97,27 @@ def _malformed(rng, n: int, bs: int) -> tuple[Links, np.ndarray]:
     num_nodes = rng.integers(1, n + 1, size=bs).astype(np.int32) if rng.integers(0, 2) else None
     tgt = rng.integers(0, 3, size=(bs, n)).astype(np.int64)
     return Links(tokens, links(), links(), num_nodes), tgt
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_accept_regular_trees_with_duplicates(device):
+    # Well-formed trees (the table path proper) with a few distinct tokens: accepts, stops and
+    # duplicate matches (status 3) at every depth; num_nodes below n on some.
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    seen = set()
+    for trial in range(30):
+        budget = int(rng.integers(1, 300))
+        args = random_build_inputs(rng, 3, int(rng.integers(1, 20)),
+                                   min(budget, int(rng.integers(1, 9))), ties=False)
+        tree = ddtree.build_tree(*args[:2], budget, *args[2:])
+        tree.tokens[...] = rng.integers(0, 3, size=tree.tokens.shape)
+        tgt = rng.integers(0, 3, size=tree.tokens.shape).astype(np.int64)
+        ref = ddtree.accept_greedy(tree, tgt)
+        got = native().accept_greedy(tree, tgt, device=device)
+        assert_same(got, ref, FIELDS_ACCEPT, f"seed={seed} trial={trial} device={device}")
+        seen.update(ref.status.tolist())
+    assert seen >= {0, 3}, f"seed={seed}: statuses seen {sorted(seen)}"
 
 
 @pytest.mark.parametrize("device", DEVICES)

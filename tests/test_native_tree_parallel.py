@@ -1,10 +1,13 @@
-"""The parallel tree build (cuda/src/tree_build_parallel.h) vs the reference.
+"""The parallel tree builds (cuda/src/tree_build_parallel.h, cuda/src/tree_build_warp.h) vs the
+reference.
 
 KDT_TREE_BUILD picks the algorithm per call: on the CPU backend "parallel" runs the CUDA
 kernel's block-synchronous code thread by thread (KDT_TREE_BUILD_THREADS threads), so it is
 checked here without a GPU; "parallel-strict" refuses the serial fallback, which proves that the
-parallel path itself built the tree. On CUDA "parallel" is the default and "serial" the earlier
-kernel; both must equal the reference. Fresh random inputs; failures carry the seed.
+parallel path itself built the tree; "warp" runs the one-warp best-first build lane by lane
+(budgets <= 1023; 1024 runs "parallel"). On CUDA "auto" (the default: warp up to budget 255,
+parallel above), "warp", "parallel" and "serial" (the earlier kernel) must all equal the
+reference. Fresh random inputs; failures carry the seed.
 """
 
 from __future__ import annotations
@@ -75,6 +78,19 @@ def test_parallel_cpu_strict_small_ties(monkeypatch):
                int(rng.integers(1, min(budget, 4) + 1)), budget, True, seed)
 
 
+WARP_BUDGETS = BUDGETS
+
+
+@pytest.mark.parametrize("budget", WARP_BUDGETS)
+def test_warp_cpu_matches_reference(monkeypatch, budget):
+    # The one-warp build emulated lane by lane: bf16-like and tie-heavy inputs, depths to 32.
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    for ties in (False, True, True):
+        K = min(budget, int(rng.integers(1, 300)))
+        _check(monkeypatch, "warp", rng, 2, int(rng.integers(1, 33)), K, budget, ties, seed)
+
+
 def _adversarial(rng, bs, L, K, positive: bool):
     """Log-probs spanning ~60 orders of magnitude (and, with positive, values > 0)."""
     mag = 10.0 ** rng.uniform(-30, 30, size=(bs, L, K))
@@ -89,16 +105,18 @@ def _adversarial(rng, bs, L, K, positive: bool):
 
 @pytest.mark.parametrize("positive", [False, True])
 @pytest.mark.parametrize("budget", [1, 7, 63, 255, 1024])
-def test_parallel_cpu_adversarial_magnitudes(monkeypatch, budget, positive):
+@pytest.mark.parametrize("mode", ["parallel", "warp"])
+def test_parallel_cpu_adversarial_magnitudes(monkeypatch, budget, positive, mode):
     seed = secrets.randbits(32)
     rng = np.random.default_rng(seed)
-    monkeypatch.setenv("KDT_TREE_BUILD", "parallel")
+    monkeypatch.setenv("KDT_TREE_BUILD", mode)
     for _ in range(3):
         args = _adversarial(rng, 2, int(rng.integers(1, 17)), int(rng.integers(1, budget + 1)),
                             positive)
         ref = ddtree.build_tree(*args[:2], budget, *args[2:])
         got = native().build_tree(*args[:2], budget, *args[2:])
-        assert_same(got, ref, FIELDS_TREE, f"seed={seed} budget={budget} positive={positive}")
+        assert_same(got, ref, FIELDS_TREE,
+                    f"seed={seed} mode={mode} budget={budget} positive={positive}")
 
 
 def test_parallel_strict_detects_a_child_above_its_parent(monkeypatch):
@@ -115,7 +133,7 @@ def test_parallel_strict_detects_a_child_above_its_parent(monkeypatch):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("mode", ["parallel", "serial"])
+@pytest.mark.parametrize("mode", ["auto", "warp", "parallel", "serial"])
 @pytest.mark.parametrize("budget", BUDGETS)
 def test_cuda_modes_match_reference(monkeypatch, cuda_ready, mode, budget):
     seed = secrets.randbits(32)
@@ -127,13 +145,26 @@ def test_cuda_modes_match_reference(monkeypatch, cuda_ready, mode, budget):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("positive", [False, True])
-def test_cuda_parallel_adversarial(monkeypatch, cuda_ready, positive):
+@pytest.mark.parametrize("budget", [15, 255, 1023])
+def test_cuda_warp_large_batch(monkeypatch, cuda_ready, budget):
+    # bs > 512: four requests (warps) per CTA, the last CTA partly empty.
     seed = secrets.randbits(32)
     rng = np.random.default_rng(seed)
-    monkeypatch.setenv("KDT_TREE_BUILD", "parallel")
-    for budget in (1, 63, 1023):
+    for ties in (False, True):
+        _check(monkeypatch, "warp", rng, 522, 15, min(budget, 32), budget, ties, seed,
+               device="cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["parallel", "warp"])
+@pytest.mark.parametrize("positive", [False, True])
+def test_cuda_parallel_adversarial(monkeypatch, cuda_ready, positive, mode):
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    monkeypatch.setenv("KDT_TREE_BUILD", mode)
+    for budget in (1, 63, 255, 1023):
         args = _adversarial(rng, 4, 15, min(budget, 64), positive)
         ref = ddtree.build_tree(*args[:2], budget, *args[2:])
         got = native().build_tree(*args[:2], budget, *args[2:], device="cuda")
-        assert_same(got, ref, FIELDS_TREE, f"seed={seed} budget={budget} positive={positive}")
+        assert_same(got, ref, FIELDS_TREE,
+                    f"seed={seed} mode={mode} budget={budget} positive={positive}")

@@ -1,20 +1,67 @@
 // tree_accept_cpu.cpp: the kdt_tree_accept entry point (validation, dispatch) and its CPU
 // backend. The walk lives in tree_accept_core.h, shared with the CUDA kernel (tree_accept.cu).
+// KDT_TREE_ACCEPT=table (read per call) runs the CUDA kernel's match-table phases
+// (tree_accept_table.h) lane by lane instead, so that they are tested without a GPU.
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
 #include "common.h"
 #include "tree_accept_core.h"
+#include "tree_accept_table.h"
 #include "tree_kernels.h"
 
 namespace kdt {
+namespace {
+
+// The match-table accept of one request, each phase for lanes 0..31 in turn (a warp barrier
+// between phases, as on CUDA).
+tree::AcceptResult table_one(const TreeAcceptArgs& a, int b, int32_t* idx) {
+  const int n = a.n;
+  const size_t o = (size_t)b * n;
+  std::vector<int32_t> w((size_t)n * 7);
+  int32_t* fc = w.data();
+  int32_t* ns = fc + n;
+  for (int i = 0; i < n; ++i) {
+    fc[i] = tree::link_narrow(a.first_child[o + i], n);
+    ns[i] = tree::link_narrow(a.next_sibling[o + i], n);
+  }
+  int irregular = 0;
+  const tree::acc::Table t{a.tokens + o, a.target_argmax + o, fc, ns, ns + n, ns + 2 * n,
+                           ns + 3 * n, ns + 4 * n, ns + 5 * n, &irregular, n,
+                           a.num_nodes ? a.num_nodes[b] : n};
+  for (int l = 0; l < 32; ++l) tree::acc::phase_clear(t, l);
+  for (int l = 0; l < 32; ++l) tree::acc::phase_scatter(t, l);
+  if (!irregular) {
+    for (int r = 0; r < tree::acc::jump_rounds(n); ++r) {
+      bool any = false;
+      for (int l = 0; l < 32; ++l) any = tree::acc::phase_jump(t, l) || any;
+      if (!any) break;
+    }
+    if (!irregular)
+      for (int l = 0; l < 32; ++l) tree::acc::phase_match(t, l);
+  }
+  return tree::acc::phase_walk(t, idx);
+}
+
+bool table_from_env() {
+  const char* v = std::getenv("KDT_TREE_ACCEPT");
+  return v && std::strcmp(v, "table") == 0;
+}
+
+}  // namespace
 
 kdt_status tree_accept_cpu(const TreeAcceptArgs& a) {
+  const bool table = table_from_env();
   for (int b = 0; b < a.bs; ++b) {
     const size_t o = (size_t)b * a.n;
     int32_t* idx = a.accept_index + o;
     for (int i = 0; i < a.n; ++i) idx[i] = -1;
     const int nn = a.num_nodes ? a.num_nodes[b] : a.n;
     const tree::AcceptResult r =
-        tree::accept_one(a.n, nn, a.tokens + o, a.first_child + o, a.next_sibling + o,
-                         a.target_argmax + o, idx);
+        table ? table_one(a, b, idx)
+              : tree::accept_one(a.n, nn, a.tokens + o, a.first_child + o, a.next_sibling + o,
+                                 a.target_argmax + o, idx);
     a.accept_len[b] = r.len;
     a.bonus[b] = r.bonus;
     a.status[b] = r.status;

@@ -2,7 +2,13 @@
 // synchronisation and no allocation: safe under CUDA graph capture.
 //
 // KDT_TREE_BUILD (read per call on the host) picks the algorithm:
-//   parallel (the default): tree_build_parallel.h with 128-512 threads per block (level-by-level
+//   auto (the default, unset): warp for budgets <= tree::wrp::kAutoMaxBudget (255), parallel
+//     above.
+//   warp: tree_build_warp.h, one warp per request (one CTA of one warp per request up to bs 512,
+//     up to four warps per CTA beyond); no block barrier; the frontier in registers (S = 16 and
+//     32 slots per lane for budgets 256..1023: 151 and 253 registers on sm_90). Budget 1024 runs
+//     the parallel build.
+//   parallel: tree_build_parallel.h with 128-512 threads per block (level-by-level
 //     expansion under a rising score bound, then a bitonic sort of the kept nodes); a request it
 //     declines (a score above its generator, or a pool overflow from masses of exact ties) is
 //     built by the block's warp 0 with the serial warp selection below, in the same launch.
@@ -28,6 +34,7 @@
 #include "common.h"
 #include "tree_build_core.h"
 #include "tree_build_parallel.h"
+#include "tree_build_warp.h"
 #include "tree_kernels.h"
 
 namespace kdt {
@@ -276,6 +283,155 @@ __global__ void tree_build_parallel_kernel(TreeBuildArgs a) {
   write_outputs(a, b, n, W, u, node_cand, node_score, first_child, next_sibling, ids);
 }
 
+// ---- the one-warp build (tree_build_warp.h): a warp per request, several per CTA -----------
+
+template <int S>
+struct GpuWarp {
+  tree::wrp::Lane<S> x;
+  int lane;
+  template <class F>
+  __device__ __forceinline__ void each(F f) { f(x, lane); }
+  template <class F>
+  __device__ __forceinline__ uint32_t max(F f) { return __reduce_max_sync(kFull, f(x, lane)); }
+  template <class F>
+  __device__ __forceinline__ uint32_t min(F f) { return __reduce_min_sync(kFull, f(x, lane)); }
+  template <class F>
+  __device__ __forceinline__ uint32_t ballot(F f) { return __ballot_sync(kFull, f(x, lane)); }
+  template <class F>
+  __device__ __forceinline__ uint32_t shfl(F f, int src) {
+    return __shfl_sync(kFull, f(x, lane), src);
+  }
+  __device__ __forceinline__ void sync() { __syncwarp(); }
+};
+
+// Per-warp shared memory: node scores [n] (8 bytes), its root id and seq_len, the request's
+// token ids when they take
+// <= kWarpStageBytes, node cands [n] (4), first_child and next_sibling [n] (2 each), then its
+// log-probs when they take <= kWarpStageBytes; rounded up to 8 bytes. At most 16 x 256 + 16 KB
+// = 20 KB a warp. Both are loaded at the start, in one round trip: the pops then read the
+// log-probs and the output pass the ids at shared-memory latency.
+constexpr int kWarpStageBytes = 8 * 1024;
+__host__ __device__ size_t warp_stage_bytes(int L, int K) {
+  const size_t b = (size_t)L * K * sizeof(float);
+  return b <= (size_t)kWarpStageBytes ? b : 0;
+}
+__host__ __device__ size_t warp_ids_bytes(int L, int K) {
+  const size_t b = (size_t)L * K * sizeof(int64_t);
+  return b <= (size_t)kWarpStageBytes ? b : 0;
+}
+__host__ __device__ size_t warp_smem_per(int budget, int L, int K) {
+  const size_t n = (size_t)budget + 1;
+  return (16 * n + 16 + warp_ids_bytes(L, K) + warp_stage_bytes(L, K) + 7) / 8 * 8;
+}
+
+// The warp writes one request's outputs: slots (lanes on consecutive slots), then visibility
+// one row per lane: a single ancestor walk (descending indices) emits the row's words from the
+// last down.
+__device__ void warp_write_outputs(const TreeBuildArgs& a, int b, int n, int W, int used,
+                                   const uint32_t* node_cand, const double* node_score,
+                                   const int16_t* fc, const int16_t* ns, const int64_t* ids,
+                                   int64_t root, int64_t seq_len, int lane) {
+  const size_t o = (size_t)b * n;
+  for (int i = lane; i < n; i += 32) {
+    if (i >= used) {
+      a.tokens[o + i] = -1; a.parents[o + i] = -1; a.depths[o + i] = -1;
+      a.positions[o + i] = -1; a.first_child[o + i] = -1; a.next_sibling[o + i] = -1;
+      if (a.scores) a.scores[o + i] = 0.0;
+      continue;
+    }
+    const uint32_t c = node_cand[i];
+    const int d = tree::cand_depth(c);
+    a.tokens[o + i] = i == 0 ? root : ids[(size_t)(d - 1) * a.K + tree::cand_rank(c)];
+    a.parents[o + i] = i == 0 ? -1 : tree::cand_parent(c);
+    a.depths[o + i] = d;
+    a.positions[o + i] = seq_len + d;
+    a.first_child[o + i] = fc[i];
+    a.next_sibling[o + i] = ns[i];
+    if (a.scores) a.scores[o + i] = node_score[i];
+  }
+  uint32_t* vis = a.visibility + o * W;
+  for (int i = lane; i < n; i += 32) {
+    uint32_t* row = vis + (size_t)i * W;
+    int cw = W - 1;
+    uint32_t word = 0;
+    if (i < used) {
+      int x = i;
+      for (;;) {
+        const int xw = x >> 5;
+        while (cw > xw) { row[cw--] = word; word = 0; }
+        word |= 1u << (x & 31);
+        if (x == 0) break;
+        x = tree::cand_parent(node_cand[x]);
+      }
+    }
+    while (cw >= 0) { row[cw--] = word; word = 0; }
+  }
+  if (lane == 0) a.num_nodes[b] = used;
+}
+
+template <int S>
+__global__ void __launch_bounds__(128) tree_build_warp_kernel(TreeBuildArgs a) {
+  extern __shared__ double smem[];
+  const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  const int b = blockIdx.x * warps + (threadIdx.x >> 5);
+  if (b >= a.bs) return;  // whole warps leave; no block barrier follows
+  const int n = a.budget + 1, W = (n + 31) / 32;
+  char* base = reinterpret_cast<char*>(smem) +
+               (size_t)(threadIdx.x >> 5) * warp_smem_per(a.budget, a.L, a.K);
+  double* node_score = reinterpret_cast<double*>(base);
+  int64_t* meta = reinterpret_cast<int64_t*>(node_score + n);  // root id, seq_len
+  int64_t* ids_staged = meta + 2;
+  uint32_t* node_cand = reinterpret_cast<uint32_t*>(
+      reinterpret_cast<char*>(ids_staged) + warp_ids_bytes(a.L, a.K));
+  int16_t* fc = reinterpret_cast<int16_t*>(node_cand + n);
+  int16_t* ns = fc + n;
+  const size_t lk = (size_t)a.L * a.K;
+  const float* lp = a.top_logp + b * lk;
+  const int64_t* ids = a.top_ids + b * lk;
+  if (lane == 0) meta[0] = __ldg(a.root_ids + b);  // (not held in registers over the build)
+  if (lane == 1) meta[1] = __ldg(a.seq_lens + b);
+  if (warp_stage_bytes(a.L, a.K)) {
+    float* staged = reinterpret_cast<float*>(ns + n);
+    for (size_t i = lane; i < lk; i += 32) staged[i] = __ldg(lp + i);
+    lp = staged;
+  }
+  if (warp_ids_bytes(a.L, a.K)) {
+    for (size_t i = lane; i < lk; i += 32) ids_staged[i] = __ldg(ids + i);
+    ids = ids_staged;
+  }
+  __syncwarp();
+  tree::Scratch ks{};
+  tree::set_key_layout(ks, a.L, a.K);
+  GpuWarp<S> w;
+  w.lane = lane;
+  const int used = tree::wrp::build<S>(w, lp, a.L, a.K, a.budget, ks.key_bits, ks.key_depth,
+                                       {node_score, node_cand, fc, ns});
+  warp_write_outputs(a, b, n, W, used, node_cand, node_score, fc, ns, ids, meta[0], meta[1],
+                     lane);
+}
+
+kdt_status launch_warp_build(const TreeBuildArgs& a, cudaStream_t st) {
+  static const char* fn = "kdt_tree_build";
+  // One warp per CTA while the batch fits the device many times over (each request then has an
+  // SM's issue slots to itself at small batches); up to 4 per CTA beyond, within the 48 KB of
+  // shared memory that needs no opt-in.
+  const size_t per = warp_smem_per(a.budget, a.L, a.K);
+  int R = a.bs <= 512 ? 1 : 4;
+  while (R > 1 && (size_t)R * per > 48 * 1024) --R;
+  const int grid = (a.bs + R - 1) / R;
+  const size_t smem = (size_t)R * per;
+  switch (tree::wrp::slots_for(a.budget)) {
+    case 1: tree_build_warp_kernel<1><<<grid, 32 * R, smem, st>>>(a); break;
+    case 2: tree_build_warp_kernel<2><<<grid, 32 * R, smem, st>>>(a); break;
+    case 4: tree_build_warp_kernel<4><<<grid, 32 * R, smem, st>>>(a); break;
+    case 8: tree_build_warp_kernel<8><<<grid, 32 * R, smem, st>>>(a); break;
+    case 16: tree_build_warp_kernel<16><<<grid, 32 * R, smem, st>>>(a); break;
+    default: tree_build_warp_kernel<32><<<grid, 32 * R, smem, st>>>(a); break;
+  }
+  KDT_CUDA_CHECK(cudaGetLastError(), fn);
+  return KDT_OK;
+}
+
 // KDT_TREE_BUILD_VARIANT, read once: true for the warp variant (the default).
 bool use_warp_variant() {
   static const bool warp = [] {
@@ -285,10 +441,16 @@ bool use_warp_variant() {
   return warp;
 }
 
-// KDT_TREE_BUILD, read per call: true unless it says "serial".
-bool use_parallel() {
+enum class Mode { kAuto, kWarp, kParallel, kSerial };
+
+// KDT_TREE_BUILD, read per call: "serial", "parallel", "warp"; anything else (unset) is auto.
+Mode mode_from_env() {
   const char* v = std::getenv("KDT_TREE_BUILD");
-  return !(v && std::strcmp(v, "serial") == 0);
+  if (!v) return Mode::kAuto;
+  if (std::strcmp(v, "serial") == 0) return Mode::kSerial;
+  if (std::strcmp(v, "parallel") == 0) return Mode::kParallel;
+  if (std::strcmp(v, "warp") == 0) return Mode::kWarp;
+  return Mode::kAuto;
 }
 
 }  // namespace
@@ -296,7 +458,11 @@ bool use_parallel() {
 kdt_status tree_build_cuda(const TreeBuildArgs& a, void* stream) {
   static const char* fn = "kdt_tree_build";
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  if (use_parallel()) {
+  const Mode mode = mode_from_env();
+  if ((mode == Mode::kAuto && a.budget <= tree::wrp::kAutoMaxBudget) ||
+      (mode == Mode::kWarp && a.budget <= tree::wrp::kMaxBudget))
+    return launch_warp_build(a, st);
+  if (mode != Mode::kSerial) {
     const int T = tree::par::threads_for(a.budget);
     const size_t psmem = par_smem_bytes(a.budget, T) + stage_bytes(a.L, a.K);
     // The shared-memory opt-in, once per device at the largest size the device allows, so that

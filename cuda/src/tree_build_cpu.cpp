@@ -2,7 +2,9 @@
 // The algorithm lives in tree_build_core.h, shared with the CUDA kernel (tree_build.cu).
 //
 // KDT_TREE_BUILD (read per call) picks the algorithm: "serial" (the default here: the binary
-// heap, the fastest on one CPU core) or "parallel": the CUDA kernel's block-synchronous
+// heap, the fastest on one CPU core), "warp": the CUDA kernel's one-warp best-first build
+// (tree_build_warp.h) emulated lane by lane (budget 1024, above tree::wrp::kMaxBudget, runs the
+// parallel build, as on CUDA), or "parallel": the CUDA kernel's block-synchronous
 // algorithm (tree_build_parallel.h) emulated thread by thread, with KDT_TREE_BUILD_THREADS
 // threads (default: the CUDA launch's count), so that it is tested without a GPU. A request
 // the parallel algorithm declines (tree_build_parallel.h) falls back to the heap, as on CUDA;
@@ -16,6 +18,7 @@
 #include "common.h"
 #include "tree_build_core.h"
 #include "tree_build_parallel.h"
+#include "tree_build_warp.h"
 #include "tree_kernels.h"
 
 namespace kdt {
@@ -52,14 +55,35 @@ struct CpuBlock {
   }
 };
 
-enum class Algo { kSerial, kParallel, kStrict };
+enum class Algo { kSerial, kParallel, kStrict, kWarp };
 
 Algo algo_from_env() {
   const char* v = std::getenv("KDT_TREE_BUILD");
   if (!v || !*v || std::strcmp(v, "serial") == 0) return Algo::kSerial;
   if (std::strcmp(v, "parallel") == 0) return Algo::kParallel;
   if (std::strcmp(v, "parallel-strict") == 0) return Algo::kStrict;
+  if (std::strcmp(v, "warp") == 0) return Algo::kWarp;
   return Algo::kSerial;
+}
+
+// The one-warp build (tree_build_warp.h) emulated lane by lane, S slots per lane.
+template <int S>
+int warp_build(const float* lp, int L, int K, int budget, const tree::Scratch& s,
+               const tree::wrp::WarpNodes& N) {
+  tree::wrp::CpuWarp<S> w;
+  return tree::wrp::build<S>(w, lp, L, K, budget, s.key_bits, s.key_depth, N);
+}
+
+int warp_build_any(const float* lp, int L, int K, int budget, const tree::Scratch& s,
+                   const tree::wrp::WarpNodes& N) {
+  switch (tree::wrp::slots_for(budget)) {
+    case 1: return warp_build<1>(lp, L, K, budget, s, N);
+    case 2: return warp_build<2>(lp, L, K, budget, s, N);
+    case 4: return warp_build<4>(lp, L, K, budget, s, N);
+    case 8: return warp_build<8>(lp, L, K, budget, s, N);
+    case 16: return warp_build<16>(lp, L, K, budget, s, N);
+    default: return warp_build<32>(lp, L, K, budget, s, N);
+  }
 }
 
 // The parallel algorithm's pool and scratch for one request at a time.
@@ -111,8 +135,11 @@ kdt_status tree_build_cpu(const TreeBuildArgs& a) {
   tree::Scratch s{heap_score.data(), heap_cand.data(),    node_score.data(), node_cand.data(),
                   first_child.data(), next_sibling.data(), node_key.data(),   0, 0};
   tree::set_key_layout(s, a.L, a.K);
+  // "warp" takes budgets up to tree::wrp::kMaxBudget; larger ones run the parallel build, as on
+  // CUDA.
+  const bool warp = algo == Algo::kWarp && a.budget <= tree::wrp::kMaxBudget;
   std::vector<ParallelScratch> ps;
-  if (algo != Algo::kSerial) ps.emplace_back(a.budget, a.L, a.K, threads_from_env(a.budget));
+  if (algo != Algo::kSerial && !warp) ps.emplace_back(a.budget, a.L, a.K, threads_from_env(a.budget));
   const tree::par::Nodes nodes{node_score.data(), node_cand.data(), first_child.data(),
                                next_sibling.data()};
   for (int b = 0; b < a.bs; ++b) {
@@ -120,7 +147,11 @@ kdt_status tree_build_cpu(const TreeBuildArgs& a) {
     const float* lp = a.top_logp + b * lk;
     const int64_t* ids = a.top_ids + b * lk;
     int used = -1;
-    if (algo != Algo::kSerial) {
+    if (warp) {
+      used = warp_build_any(lp, a.L, a.K, a.budget, s,
+                            {node_score.data(), node_cand.data(), first_child.data(),
+                             next_sibling.data()});
+    } else if (algo != Algo::kSerial) {
       CpuBlock blk{ps[0].T, {}};
       used = tree::par::build(blk, ps[0].S, nodes, lp, a.L, a.K, a.budget, ps[0].cap);
       if (used < 0 && algo == Algo::kStrict)

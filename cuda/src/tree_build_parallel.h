@@ -33,6 +33,12 @@
 #include "kdtree/hd.h"
 #include "tree_build_core.h"
 
+#if defined(__CUDACC__)
+#define KDT_PAR_UNROLL _Pragma("unroll")
+#else
+#define KDT_PAR_UNROLL
+#endif
+
 namespace kdt {
 namespace tree {
 namespace par {
@@ -62,13 +68,26 @@ KDT_HD double unordered(uint64_t u) {
   return v.d;
 }
 
-KDT_HD int atomic_add(int* p, int v) {
+// Shared-memory atomics, aggregated over the warp's active lanes on CUDA (one atomic per warp
+// and address instead of one per thread: up to 512 threads hit one address in refine). Sums,
+// minima and maxima do not depend on the order, so the CPU's plain updates give the same values.
+KDT_HD void atomic_add(int* p, int v) {
 #if defined(__CUDA_ARCH__)
-  return atomicAdd(p, v);
+  const unsigned m = __activemask();
+  const int s = __reduce_add_sync(m, v);
+  if ((int)(threadIdx.x & 31) == __ffs((int)m) - 1) atomicAdd(p, s);
 #else
-  const int o = *p;
   *p += v;
-  return o;
+#endif
+}
+// hist[bin] += 1, lanes with equal bins aggregated.
+KDT_HD void hist_add(int* hist, int bin) {
+#if defined(__CUDA_ARCH__)
+  const unsigned m = __activemask();
+  const unsigned peers = __match_any_sync(m, bin);
+  if ((int)(threadIdx.x & 31) == __ffs((int)peers) - 1) atomicAdd(&hist[bin], __popc(peers));
+#else
+  ++hist[bin];
 #endif
 }
 KDT_HD void atomic_or(int* p, int v) {
@@ -80,14 +99,23 @@ KDT_HD void atomic_or(int* p, int v) {
 }
 KDT_HD void atomic_max(unsigned long long* p, unsigned long long v) {
 #if defined(__CUDA_ARCH__)
-  atomicMax(p, v);
+  const unsigned m = __activemask();
+  const unsigned hi = __reduce_max_sync(m, (unsigned)(v >> 32));
+  const unsigned lo = __reduce_max_sync(m, (unsigned)(v >> 32) == hi ? (unsigned)v : 0u);
+  if ((int)(threadIdx.x & 31) == __ffs((int)m) - 1)
+    atomicMax(p, ((unsigned long long)hi << 32) | lo);
 #else
   if (v > *p) *p = v;
 #endif
 }
 KDT_HD void atomic_min(unsigned long long* p, unsigned long long v) {
 #if defined(__CUDA_ARCH__)
-  atomicMin(p, v);
+  const unsigned m = __activemask();
+  const unsigned hi = __reduce_min_sync(m, (unsigned)(v >> 32));
+  const unsigned lo =
+      __reduce_min_sync(m, (unsigned)(v >> 32) == hi ? (unsigned)v : 0xFFFFFFFFu);
+  if ((int)(threadIdx.x & 31) == __ffs((int)m) - 1)
+    atomicMin(p, ((unsigned long long)hi << 32) | lo);
 #else
   if (v < *p) *p = v;
 #endif
@@ -184,16 +212,27 @@ KDT_HD int child_walk(Shared& S, const float* lp, int K, int budget, int e, int 
   const float* row = lp + (size_t)(d - 1) * K;
   double s = first_score(S, lp, K, e, d);
   if (d > 1 && s > S.score[S.cur][e]) atomic_or(&S.flags, kAnomaly);
+  const int lim = K < budget ? K : budget;
+  const double t = S.t_lo;  // changes only between phases
   int r = 0;
-  while (r < K && r < budget && s >= S.t_lo) {
-    f(r, s);
-    if (r + 1 < K) {
-      // (score - lp[d-1][r]) + lp[d-1][r+1], left to right in float64 (DDTREE.md section 2)
-      const double nx = (s - (double)row[r]) + (double)row[r + 1];
-      if (nx > s) atomic_or(&S.flags, kAnomaly);
-      s = nx;
+  // The chain's critical path is two float64 adds a step: the row values are loaded four steps
+  // ahead (independent of the scores), so no shared-memory load waits inside it.
+  while (r < lim && s >= t) {
+    float v[5];
+    KDT_PAR_UNROLL
+    for (int j = 0; j < 5; ++j) v[j] = r + j < K ? row[r + j] : 0.0f;
+    KDT_PAR_UNROLL
+    for (int j = 0; j < 4; ++j) {
+      if (j > 0 && !(r < lim && s >= t)) return r;
+      f(r, s);
+      if (r + 1 < K) {
+        // (score - lp[d-1][r]) + lp[d-1][r+1], left to right in float64 (DDTREE.md section 2)
+        const double nx = (s - (double)v[j]) + (double)v[j + 1];
+        if (nx > s) atomic_or(&S.flags, kAnomaly);
+        s = nx;
+      }
+      ++r;
     }
-    ++r;
   }
   return r;
 }
@@ -248,7 +287,7 @@ KDT_HD void refine(Block& blk, Shared& S, int budget, const float* lp, int K, in
     const double v = (hi - s) * scale;
     return v >= (double)(kBins - 1) ? kBins - 1 : (v > 0.0 ? (int)v : 0);
   };
-  blk.run([&](int t) { visit(t, [&](double sc) { atomic_add(&S.hist[bin(sc)], 1); }); });
+  blk.run([&](int t) { visit(t, [&](double sc) { hist_add(S.hist, bin(sc)); }); });
   blk.run_warp([&](int t) {  // warp 0 writes the group sums, thread 0 reads them next
     if (t >= 32) return;
     constexpr int g = kBins / 32;
@@ -259,10 +298,23 @@ KDT_HD void refine(Block& blk, Shared& S, int budget, const float* lp, int K, in
   blk.run([&](int t) {
     if (t != 0) return;
     constexpr int g = kBins / 32;
+    // The first group whose cumulative count reaches budget, then the bin inside it. Fixed
+    // trip counts with a "done" flag: the loads do not wait on the comparisons.
     int cum = 0, grp = 0;
-    while (grp < 31 && cum + S.hist[kBins + grp] < budget) cum += S.hist[kBins + grp++];
+    bool done = false;
+    KDT_PAR_UNROLL
+    for (int k = 0; k < 31; ++k) {
+      const int v = S.hist[kBins + k];
+      if (!done && cum + v < budget) { cum += v; grp = k + 1; } else { done = true; }
+    }
     int j = grp * g;
-    while (j < kBins - 1 && cum + S.hist[j] < budget) cum += S.hist[j++];
+    done = false;
+    KDT_PAR_UNROLL
+    for (int k = 0; k < g; ++k) {
+      const int v = S.hist[grp * g + k];
+      if (!done && grp * g + k < kBins - 1 && cum + v < budget) { cum += v; j = grp * g + k + 1; }
+      else { done = true; }
+    }
     S.cut_bin = j;
     S.cut_count = cum + S.hist[j];
     S.umin = ~0ull;

@@ -1,7 +1,8 @@
 // test_tree_build: kdt_tree_build against the reference's KDTR bundles (bit-exact, CPU and, when
 // a GPU is present, CUDA), the worked example of DDTREE.md, argument validation, and random
-// cross-checks with exact ties up to budget 1024 with K = 1024: the CPU emulation of the
-// parallel build vs the serial heap, and both CUDA kernels (KDT_TREE_BUILD) vs the CPU.
+// cross-checks with exact ties up to budget 1024 with K = 1024: the CPU emulations of the
+// parallel and the one-warp builds vs the serial heap, and every CUDA mode (KDT_TREE_BUILD:
+// auto, warp, parallel, serial) vs the CPU.
 //   test_tree_build --bundles DIR [--seed S]
 #include <cmath>
 #include <cstdlib>
@@ -172,27 +173,29 @@ int main(int argc, char** argv) {
                          {17, 15, 16, 37}, {4, 32, 3, 100}, {33, 15, 64, 255}, {3, 15, 1024, 1024},
                          {2, 32, 1024, 1024}};
   // KDT_TREE_BUILD picks the algorithm per call: the CPU reference runs the serial heap; the
-  // CPU emulation of the parallel build and both CUDA kernels must equal it.
+  // CPU emulations of the parallel and warp builds and every CUDA mode must equal it.
   std::mt19937_64 rng(h.seed);
   for (const auto& g : grid) {
     const std::string shape = "bs" + std::to_string(g[0]) + "_L" + std::to_string(g[1]) + "_K" +
                               std::to_string(g[2]) + "_B" + std::to_string(g[3]);
-    h.run("random_cpu_parallel_vs_serial/" + shape, [&] {
-      for (int ties = 0; ties < 2; ++ties) {
-        const BuildIn in = random_build(rng, g[0], g[1], g[2], g[3], ties != 0);
-        BuildOut a, b;
-        setenv("KDT_TREE_BUILD", "serial", 1);
-        if (kdt_status s = build_cpu(in, &a)) return status_message(s, "kdt_tree_build(cpu serial)");
-        setenv("KDT_TREE_BUILD", "parallel", 1);
-        const kdt_status s = build_cpu(in, &b);
-        unsetenv("KDT_TREE_BUILD");
-        if (s) return status_message(s, "kdt_tree_build(cpu parallel)");
-        const std::string e = same_build(b, a);
-        if (!e.empty()) return std::string(ties ? "ties: " : "no ties: ") + e;
-      }
-      return std::string();
-    });
-    for (const char* mode : {"parallel", "serial"}) {
+    for (const char* emu : {"parallel", "warp"}) {
+      h.run(std::string("random_cpu_") + emu + "_vs_serial/" + shape, [&] {
+        for (int ties = 0; ties < 2; ++ties) {
+          const BuildIn in = random_build(rng, g[0], g[1], g[2], g[3], ties != 0);
+          BuildOut a, b;
+          setenv("KDT_TREE_BUILD", "serial", 1);
+          if (kdt_status s = build_cpu(in, &a)) return status_message(s, "kdt_tree_build(cpu serial)");
+          setenv("KDT_TREE_BUILD", emu, 1);
+          const kdt_status s = build_cpu(in, &b);
+          unsetenv("KDT_TREE_BUILD");
+          if (s) return status_message(s, "kdt_tree_build(cpu emulation)");
+          const std::string e = same_build(b, a);
+          if (!e.empty()) return std::string(ties ? "ties: " : "no ties: ") + e;
+        }
+        return std::string();
+      });
+    }
+    for (const char* mode : {"auto", "warp", "parallel", "serial"}) {
       const std::string name = std::string("random_cpu_vs_cuda_") + mode + "/" + shape;
       if (!no_cuda.empty()) { h.skip(name, no_cuda); continue; }
       h.run(name, [&] {

@@ -56,9 +56,11 @@ def tree_records(view) -> list:
     """Tree-build records: the head-to-head suite, else the kernels suite's tree_build."""
     recs = list(timed(view["suites"].get("tree_build"), "tree_build"))
     if not recs:
-        # one backend per algorithm (the kernels suite times "parallel" and "serial" on CUDA)
+        # one backend per algorithm (the kernels suite times "auto", the default, "parallel" and
+        # "serial" on CUDA)
         recs = [dict(r, backend=f"native-{r['backend']}" + (
-                    f"-{r['case']['algo']}" if r["case"].get("algo") == "serial" and r["backend"] == "cuda" else ""))
+                    f"-{r['case']['algo']}" if r["case"].get("algo") in ("parallel", "serial")
+                    and r["backend"] == "cuda" else ""))
                 for r in timed(view["suites"].get("kernels"), "tree_build")]
     return recs
 
