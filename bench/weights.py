@@ -219,7 +219,7 @@ def code_small_weights(device: str = "cuda", minutes: float | None = None,
                        steps: int | None = None, log=None) -> Path:
     """The trained code-small folder (code-toy with toy=True) from the cache when complete, else
     trained now on `device` (a torch device; the native engine generating the drafter's data
-    runs there too). minutes: the whole training budget (default: the preset's, 3 for small);
+    runs there too). minutes: the whole training budget (default: the preset's, 4 for small);
     corpus: a folder of *.py files instead of this Python's stdlib; steps: a cap on the
     target's steps (tests). A CUDA device that torch cannot see is an error, not a silent CPU
     run: three minutes of CPU training would be cached under the same key as the GPU's."""

@@ -2,7 +2,7 @@
 // synchronisation and no allocation: safe under CUDA graph capture.
 //
 // KDT_TREE_BUILD (read per call on the host) picks the algorithm:
-//   auto (the default, unset): warp for budgets <= tree::wrp::kAutoMaxBudget (255), parallel
+//   auto (the default, unset): warp for budgets <= tree::wrp::kAutoMaxBudget (127), parallel
 //     above.
 //   warp: tree_build_warp.h, one warp per request (one CTA of one warp per request up to bs 512,
 //     up to four warps per CTA beyond); no block barrier; the frontier in registers (S = 16 and

@@ -41,7 +41,7 @@ namespace wrp {
 
 constexpr int kMaxSlots = 32;                  // slots per lane
 constexpr int kMaxBudget = 32 * kMaxSlots - 1;  // 1023: the largest budget this build takes
-constexpr int kAutoMaxBudget = 255;             // KDT_TREE_BUILD=auto: warp up to here
+constexpr int kAutoMaxBudget = 127;  // KDT_TREE_BUILD=auto: warp up to here (H200: warp 37 us vs parallel 78-119 us at B63; 244 vs 141-216 us at B255)
 
 // Slots per lane for a budget: the smallest power of two S with 32 S >= budget + 1.
 KDT_HD int slots_for(int budget) {

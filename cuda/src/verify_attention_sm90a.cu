@@ -80,7 +80,7 @@ constexpr int kBlockBytes = 64 * 128;                // one 64-row x 128 B block
 constexpr int kTileBytes = kBlocks * kBlockBytes;    // 73728: Q tile and one cache stage
 constexpr int kStages = 2;
 constexpr int kThreads = 384;  // producer WG + 2 consumer WGs
-constexpr int kDefaultVariant = 0;  // KDT_SM90A_VARIANT when unset (see verify_attention_sm90a)
+constexpr int kDefaultVariant = 3;  // KDT_SM90A_VARIANT when unset: TMA loads, one scoring WG (H200 dev run 05:20Z: 500-512 TFLOP/s at tree 64, P >= 32k; v0 cp.async 290-301)
 // shared memory: Q | stages | P | max/sum exchange | mbarriers (+1 KB slack to align to 1 KB)
 constexpr int kOffQ = 0;
 constexpr int kOffKV = kOffQ + kTileBytes;

@@ -1,6 +1,6 @@
 """The trained target `code-small`: corpus -> tokenizer -> target -> block drafter, in one timed run.
 
-    python -m engine.cli.model train --out DIR --device cuda [--corpus DIR] [--minutes 3]
+    python -m engine.cli.model train --out DIR --device cuda [--corpus DIR] [--minutes 4]
                                      [--seed 0] [--config small|toy] [--steps N]
 
 1. The corpus (engine.training.corpus: the running interpreter's stdlib *.py, split by file,
@@ -73,7 +73,7 @@ PRESETS = {
         "warmup": 0.03, "weight_decay": 0.1, "betas": (0.9, 0.95), "grad_clip": 1.0,
         "router_balance_rate": 1e-3, "eval_tokens": 1 << 20, "eval_tokens_cpu": 1 << 15,
         "curve_tokens": 1 << 16,
-        "minutes": 3.0, "target_share": 0.62, "cpu_threads": None,
+        "minutes": 4.0, "target_share": 0.62, "cpu_threads": None,
         # sequences: an upper bound; collection stops at 40% of the drafter's time (drafter.py)
         "drafter": {"sequences": 8192, "held_out": 64, "prompt_tokens": (16, 128), "new_tokens": 96,
                     "batch": 256, "lr": 2e-3, "steps": 1_000_000, "data_batch": 128},
