@@ -3,8 +3,8 @@
 Trees come from the reference build on fresh random inputs (seed in every message); targets
 follow a random tree path (all-accept down to a leaf), reject at the root, or are random;
 malformed trees get random links, cycles, out-of-range indices and duplicate sibling tokens.
-KDT_TREE_ACCEPT picks the algorithm per call: "walk" (the reference walk, the CPU default) or
-"table" (the CUDA default: the match-table phases of cuda/src/tree_accept_table.h, which the CPU
+KDT_TREE_ACCEPT picks the algorithm per call: "walk" (the reference walk; the default on both
+backends) or "table" (the match-table phases of cuda/src/tree_accept_table.h, which the CPU
 backend runs lane by lane); every test runs both.
 """
 
