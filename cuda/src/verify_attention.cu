@@ -39,6 +39,8 @@
 // bf16 tensor-core prefix kernel (hi + lo split of P, recomputed S) 0.62 / 4.41 ms (~60-66
 // TFLOP/s, ~9% of the measured bf16 GEMM). First H200 run of the mma path (16-row tiles, CUDA
 // graph): 125 TFLOP/s at bs 1 P 32k T 64, 154 at bs 64 P 32k T 64 (16-19% of the GEMM).
+// With 32-row tiles (the sm_90 default; H200 run 20261201T052933Z, CUDA graph): 175 TFLOP/s at
+// bs 1 P 32k T 64, 177 at bs 64 P 32k T 64 (22%); smallq 178-182. The sm90a path is 2.9x that.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
