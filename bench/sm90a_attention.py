@@ -3,10 +3,8 @@
     KDTREE_LIB=build/h200/libkdtree.so python3 -m bench.sm90a_attention [--check] [--time]
 
 Calls kdt_verify_attention with KDT_VERIFY_PATH=sm90a (the sm90a kernel only,
-KDT_ERR_UNSUPPORTED where it cannot run) on torch CUDA tensors, for every kernel variant
-(KDT_SM90A_VARIANT 0, 1, 2, 3, 6, 7: bit 0 the consumer decomposition, bit 1 TMA loads instead
-of cp.async, bit 2 Q K^T waiting for a TMA tile in three groups of column blocks;
-verify_attention_sm90a.cu says what each does).
+KDT_ERR_UNSUPPORTED where it cannot run) on torch CUDA tensors (verify_attention_sm90a.cu says
+what the kernel does; docs/BENCHMARKS.md gives the H200 timings of the six variants it once had).
 --check: fresh random bf16 inputs (seed printed) at the MLA shape (d_latent 512, d_rope 64),
   ragged batches, tree sizes and prefixes that are not multiples of the 64-row tile, prefix 0,
   split and unsplit key ranges, head counts 16 / 20 / 64 / 128, a query that sees nothing;
@@ -15,12 +13,12 @@ verify_attention_sm90a.cu says what each does).
   small ragged case first: numpy's einsum is too slow at these sizes). Prints
   PASS / FAIL with the max relative errors (max |x - ref| / max |ref|; bound 1e-2).
 --time: a CUDA graph of N calls, time / N, for bs 1 / 16 / 64, prefix 4096 / 32768, tree
-  1 / 16 / 64 at 64 heads, per variant and for kdt_verify_attention's automatic path on the
+  1 / 16 / 64 at 64 heads, for the sm90a path and kdt_verify_attention's automatic path on the
   same inputs; TFLOP/s as a fraction of this run's bf16 matmul ceiling (torch.matmul 8192^3)
   and, for the AR step (tree 1), cache GB/s as a fraction of this run's copy ceiling (a 2 GiB
   device-to-device copy: read + write bytes / time). FLOPs = 2 T H (P + T) (2 Dl + Dr) per
   request; cache bytes = rows x 1152.
-Exit status 1 when a check fails.
+Exit status 1 when a check fails (the timing is then skipped).
 """
 
 from __future__ import annotations
@@ -29,7 +27,6 @@ import argparse
 import ctypes
 import functools
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -38,20 +35,6 @@ DL, DR, DK = 512, 64, 576
 TOL = 1e-2
 KDT_BACKEND_CUDA = 1
 KDT_DTYPE_BF16 = 1
-# KDT_SM90A_VARIANT: bit 0 one WG scores (else split keys), bit 1 TMA, bit 2 grouped TMA waits
-VARIANTS = (0, 1, 2, 3, 6, 7)
-ISOLATED = (2, 3, 6, 7)  # checked in a child process (check_variants_isolated)
-ISOLATED_TIMEOUT_S = 90
-
-
-def set_variant(v: int | None) -> None:
-    """The library reads KDT_SM90A_VARIANT on every call of the sm90a path (None: its default)."""
-    if v is None:
-        os.environ.pop("KDT_SM90A_VARIANT", None)
-    else:
-        os.environ["KDT_SM90A_VARIANT"] = str(v)
-
-
 def load_library(path: str | None):
     if path is None:
         path = os.environ.get("KDTREE_LIB")
@@ -251,19 +234,20 @@ CHECKS = [  # (name, H, prefixes, trees)
 ]
 
 
-def _check_variant(lib, torch, rng, tag: str) -> bool:
+def check_kernel(lib, torch, rng) -> bool:
+    """Every check case on the sm90a kernel; prints a PASS / FAIL line each; True when all pass."""
     ok = True
     for name, H, ps, ns in CHECKS:
         case = Case(torch, rng, H, ps, ns)
         try:
             e_out, e_lse = check_case(lib, case)
         except RuntimeError as e:
-            print(f"FAIL  {tag}{name}: {e}")
+            print(f"FAIL  {name}: {e}")
             ok = False
             continue
         good = e_out < TOL and e_lse < TOL
         ok &= good
-        print(f"{'PASS' if good else 'FAIL'}  {tag}{name}: out rel err {e_out:.3g}, lse rel err {e_lse:.3g}")
+        print(f"{'PASS' if good else 'FAIL'}  {name}: out rel err {e_out:.3g}, lse rel err {e_lse:.3g}")
     # a query that sees nothing (no prefix, no visibility bit): out 0, lse -inf
     case = Case(torch, rng, 64, [0], [3])
     vis = case.vis_np.copy()
@@ -274,10 +258,10 @@ def _check_variant(lib, torch, rng, tag: str) -> bool:
         out, lse = case.out.cpu().numpy(), case.lse.cpu().numpy()
         good = (e_out < TOL and e_lse < TOL and np.all(out[1] == 0) and np.all(lse[1] == -np.inf)
                 and np.all(np.isfinite(lse[[0, 2]])))
-        print(f"{'PASS' if good else 'FAIL'}  {tag}masked-out row (P0 T3, row 1 sees nothing): "
+        print(f"{'PASS' if good else 'FAIL'}  masked-out row (P0 T3, row 1 sees nothing): "
               f"out rel err {e_out:.3g}, lse rel err {e_lse:.3g}")
     except RuntimeError as e:
-        print(f"FAIL  {tag}masked-out row: {e}")
+        print(f"FAIL  masked-out row: {e}")
         good = False
     ok &= good
     # a NaN in the next request's first cache row stays there: request 0's last tile ends inside
@@ -292,53 +276,17 @@ def _check_variant(lib, torch, rng, tag: str) -> bool:
         out, lse = case.out.cpu().numpy()[:5], case.lse.cpu().numpy()[:5]
         e_out, e_lse = rel_err(out, ref_out[:5]), rel_err(lse, ref_lse[:5])
         good = e_out < TOL and e_lse < TOL and bool(np.isfinite(out).all())
-        print(f"{'PASS' if good else 'FAIL'}  {tag}NaN in the next request's rows does not leak: "
+        print(f"{'PASS' if good else 'FAIL'}  NaN in the next request's rows does not leak: "
               f"request 0 out rel err {e_out:.3g}, lse rel err {e_lse:.3g}")
     except RuntimeError as e:
-        print(f"FAIL  {tag}NaN in the next request's rows: {e}")
+        print(f"FAIL  NaN in the next request's rows: {e}")
         good = False
     ok &= good
     return ok
 
 
-def check_variants(lib, torch, rng, variants) -> list[int]:
-    """Checks each variant; prints a PASS / FAIL line per variant; returns those that pass."""
-    passed = []
-    for variant in variants:
-        set_variant(variant)
-        good_v = _check_variant(lib, torch, rng, f"[v{variant}] ")
-        print(f"sm90a check [v{variant}]: {'PASS' if good_v else 'FAIL'}", flush=True)
-        if good_v:
-            passed.append(variant)
-    set_variant(None)
-    return passed
-
-
-def check_variants_isolated(lib_path: str | None, seed: int, variants) -> list[int]:
-    """The same in a child process with a time limit: a kernel that hangs or faults (a sticky
-    CUDA error) there costs its variants, not this process's timing of the others."""
-    cmd = [sys.executable, "-m", "bench.sm90a_attention", "--check-variants",
-           ",".join(map(str, variants)), "--seed", str(seed)]
-    if lib_path:
-        cmd += ["--lib", lib_path]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        r = subprocess.run(cmd, check=False, cwd=root, capture_output=True, text=True,
-                           timeout=ISOLATED_TIMEOUT_S)
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        print(out, end="")
-        print(f"FAIL  variants {list(variants)}: no answer within {ISOLATED_TIMEOUT_S} s (a hang?)")
-        return []
-    print(r.stdout, end="")
-    if r.returncode not in (0, 1):
-        print(f"FAIL  variants {list(variants)}: child exit status {r.returncode}: {r.stderr[-2000:]}")
-    return [v for v in variants if f"sm90a check [v{v}]: PASS" in r.stdout]
-
-
-def run_checks(lib, torch, seed: int, lib_path: str | None = None) -> tuple[bool, list[int]]:
-    """All checks; returns (all passed, the variants that passed). The TMA variants (new, not
-    yet run on a GPU when written) run in a child process (check_variants_isolated)."""
+def run_checks(lib, torch, seed: int) -> bool:
+    """All checks; True when all passed."""
     rng = np.random.default_rng(seed)
     print(f"sm90a check: seed {seed}, bound {TOL}")
     small = Case(torch, rng, 4, [5, 0, 40], [3, 7, 33])
@@ -350,10 +298,7 @@ def run_checks(lib, torch, seed: int, lib_path: str | None = None) -> tuple[bool
     ok = good
     print(f"{'PASS' if good else 'FAIL'}  float64 GPU reference vs engine.reference.mla: "
           f"max rel diff {agree:.3g}")
-    here = [v for v in VARIANTS if v not in ISOLATED]
-    passed = check_variants(lib, torch, rng, here)
-    passed += check_variants_isolated(lib_path, seed + 1, [v for v in VARIANTS if v in ISOLATED])
-    ok &= len(passed) == len(VARIANTS)
+    ok &= check_kernel(lib, torch, rng)
     # shapes / dtypes the path does not take are refused, not computed
     os.environ["KDT_VERIFY_PATH"] = "sm90a"
     ws = small.workspace(lib)
@@ -367,7 +312,7 @@ def run_checks(lib, torch, seed: int, lib_path: str | None = None) -> tuple[bool
     ok &= good
     print(f"{'PASS' if good else 'FAIL'}  float32 cache refused: status {st} ({msg})")
     print("sm90a check (all):", "PASS" if ok else "FAIL")
-    return ok, sorted(passed)
+    return ok
 
 
 def time_graph(torch, fn, target_s: float = 0.25) -> float:
@@ -400,47 +345,37 @@ def time_graph(torch, fn, target_s: float = 0.25) -> float:
     return best
 
 
-def run_timing(lib, torch, variants=VARIANTS) -> None:
+def run_timing(lib, torch) -> None:
     from bench import ceilings
 
     ceil = ceilings.measure("cuda")
     mm, cp = ceil["matmul"]["value"], ceil["copy"]["value"]
     rng = np.random.default_rng(0)
     print(f"sm90a timing (H 64, 512 + 64, bf16; CUDA graph of N calls / N, best of 3 replays; "
-          f"vN = KDT_SM90A_VARIANT=N, auto = kdt_verify_attention's own choice; ceilings of this run: "
-          f"matmul {mm:.0f} TFLOP/s, copy {cp:.0f} GB/s; %mm = TFLOP/s / matmul, %cp = cache GB/s / copy)")
-    head = " | ".join(f"{'v' + str(v) + ' ms':>8} {'TF/s':>5}" for v in variants)
-    print(f"{'bs':>3} {'prefix':>6} {'tree':>4} | {head} | {'auto ms':>8} {'TF/s':>5} {'%mm':>4} "
-          f"{'GB/s':>5} {'%cp':>4} | best variant (%mm, %cp)")
+          f"sm90a = KDT_VERIFY_PATH=sm90a, auto = kdt_verify_attention's own choice; ceilings of this "
+          f"run: matmul {mm:.0f} TFLOP/s, copy {cp:.0f} GB/s; %mm = TFLOP/s / matmul, %cp = cache "
+          f"GB/s / copy)")
+    print(f"{'bs':>3} {'prefix':>6} {'tree':>4} | {'sm90a ms':>8} {'TF/s':>5} {'%mm':>4} {'GB/s':>5} "
+          f"{'%cp':>4} | {'auto ms':>8} {'TF/s':>5} {'%mm':>4} {'GB/s':>5} {'%cp':>4}")
+
+    def cols(f: float, b: float, t: float) -> str:
+        return (f"{t * 1e3:>8.3f} {f / t / 1e12:>5.0f} {f / t / 1e12 / mm:>4.0%} {b / t / 1e9:>5.0f} "
+                f"{b / t / 1e9 / cp:>4.0%}")
+
     for bs in (1, 16, 64):
         for P in (4096, 32768):
             for T in (1, 16, 64):
                 case = Case(torch, rng, 64, [P] * bs, [T] * bs)
                 ws = case.workspace(lib)
                 f, b = case.flops(), case.cache_bytes()
-                cols, times = [], {}
-                for v in variants:
-                    set_variant(v)
-                    try:
-                        t = time_graph(torch, functools.partial(case.call, lib, "sm90a", ws))
-                    except RuntimeError as e:
-                        cols.append(f"failed: {e}"[:14].ljust(14))
-                        continue
-                    times[v] = t
-                    cols.append(f"{t * 1e3:>8.3f} {f / t / 1e12:>5.0f}")
-                set_variant(None)
+                try:
+                    sm90a = cols(f, b, time_graph(torch, functools.partial(case.call, lib, "sm90a", ws)))
+                except RuntimeError as e:
+                    sm90a = f"failed: {e}"[:30].ljust(30)
                 t_a = time_graph(torch, functools.partial(case.call, lib, "auto", ws))
-                best = "-"
-                if times:
-                    v = min(times, key=times.get)
-                    t = times[v]
-                    best = f"v{v} ({f / t / 1e12 / mm:.0%}, {b / t / 1e9 / cp:.0%})"
-                print(f"{bs:>3} {P:>6} {T:>4} | {' | '.join(cols)} | {t_a * 1e3:>8.3f} "
-                      f"{f / t_a / 1e12:>5.0f} {f / t_a / 1e12 / mm:>4.0%} {b / t_a / 1e9:>5.0f} "
-                      f"{b / t_a / 1e9 / cp:>4.0%} | {best}", flush=True)
+                print(f"{bs:>3} {P:>6} {T:>4} | {sm90a} | {cols(f, b, t_a)}", flush=True)
                 case = ws = None
                 torch.cuda.empty_cache()
-    set_variant(None)
 
 
 def main(argv=None) -> int:
@@ -449,8 +384,6 @@ def main(argv=None) -> int:
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--time", action="store_true")
     ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--check-variants", default=None,
-                    help="comma list: check only these KDT_SM90A_VARIANT values (the child mode)")
     a = ap.parse_args(argv)
     import torch
 
@@ -459,17 +392,14 @@ def main(argv=None) -> int:
         return 0
     lib = load_library(a.lib)
     seed = a.seed if a.seed is not None else int(np.random.SeedSequence().entropy % 2**32)
-    if a.check_variants is not None:
-        want = [int(v) for v in a.check_variants.split(",") if v]
-        passed = check_variants(lib, torch, np.random.default_rng(seed), want)
-        return 0 if len(passed) == len(want) else 1
-    ok, variants = True, list(VARIANTS)
+    ok = True
     if a.check or not a.time:
-        ok, variants = run_checks(lib, torch, seed, a.lib)
+        ok = run_checks(lib, torch, seed)
     if a.time:
-        if len(variants) < len(VARIANTS):
-            print(f"timing only the variants that passed the check: {variants}")
-        run_timing(lib, torch, variants)
+        if ok:
+            run_timing(lib, torch)
+        else:
+            print("sm90a timing skipped: the check failed")
     return 0 if ok else 1
 
 

@@ -3,8 +3,8 @@
 Fresh random bf16 inputs at the MLA shape for every case of bench/sm90a_attention.py's CHECKS
 (ragged batches, trees and prefixes that are not multiples of the 64-row tile, prefix 0, split
 and unsplit key ranges, head counts 16 / 20 / 64 / 128), through kdt_verify_attention with
-KDT_VERIFY_PATH=sm90a, for every kernel variant (KDT_SM90A_VARIANT 0, 1, 2, 3, 6, 7), against the float64 GPU reference of that module (itself
-checked against engine.reference.mla below). Bound: max |x - ref| / max |ref| < 1e-2.
+KDT_VERIFY_PATH=sm90a, against the float64 GPU reference of that module (itself checked against
+engine.reference.mla below). Bound: max |x - ref| / max |ref| < 1e-2.
 Skips without a compute capability 9.0 GPU or a library built with sm_90a.
 """
 
@@ -31,9 +31,8 @@ def setup():
 
 @pytest.fixture(autouse=True)
 def _restore_env(monkeypatch):
-    """The bench helpers set KDT_VERIFY_PATH / KDT_SM90A_VARIANT; give later tests theirs back."""
+    """The bench helpers set KDT_VERIFY_PATH; give later tests theirs back."""
     monkeypatch.setenv("KDT_VERIFY_PATH", "sm90a")
-    monkeypatch.delenv("KDT_SM90A_VARIANT", raising=False)
 
 
 def _cases():
@@ -42,13 +41,11 @@ def _cases():
     return CHECKS
 
 
-@pytest.mark.parametrize("variant", [0, 1, 2, 3, 6, 7])
 @pytest.mark.parametrize("name,H,prefixes,trees", _cases(), ids=[c[0] for c in _cases()])
-def test_sm90a_matches_reference(setup, name, H, prefixes, trees, variant):
-    from bench.sm90a_attention import TOL, Case, check_case, set_variant
+def test_sm90a_matches_reference(setup, name, H, prefixes, trees):
+    from bench.sm90a_attention import TOL, Case, check_case
 
     torch, lib = setup
-    set_variant(variant)
     seed = int(np.random.SeedSequence().entropy % 2**32)
     case = Case(torch, np.random.default_rng(seed), H, prefixes, trees)
     try:
@@ -58,7 +55,7 @@ def test_sm90a_matches_reference(setup, name, H, prefixes, trees, variant):
             pytest.skip(str(e))
         raise
     assert e_out < TOL and e_lse < TOL, (
-        f"{name} (KDT_SM90A_VARIANT={variant}): out rel err {e_out:.3g}, lse rel err {e_lse:.3g} (tol {TOL}); seed {seed}")
+        f"{name}: out rel err {e_out:.3g}, lse rel err {e_lse:.3g} (tol {TOL}); seed {seed}")
 
 
 def test_gpu_reference_matches_engine_reference(setup):

@@ -1,8 +1,8 @@
 // verify_attention_sm90a.cu: the Hopper (sm_90a) path of kdt_verify_attention: wgmma tensor
-// cores fed by a warp-specialised load pipeline (TMA or cp.async), for bf16 caches at the MLA
-// shape (d_latent 512, d_rope 64, any head count). Raw PTX (wgmma.mma_async with shared-memory
-// matrix descriptors, mbarrier, cp.async.bulk.tensor / cp.async), no CUTLASS: nothing to vendor
-// onto a host without internet, and a compile that stays short on small build machines.
+// cores fed by a TMA load pipeline, for bf16 caches at the MLA shape (d_latent 512, d_rope 64,
+// any head count). Raw PTX (wgmma.mma_async with shared-memory matrix descriptors, mbarrier,
+// cp.async.bulk.tensor), no CUTLASS: nothing to vendor onto a host without internet, and a
+// compile that stays short on small build machines.
 //
 // Work decomposition. Rows of request b are (node, head) pairs, row = node * H + head, so with
 // 64 heads one M tile of 64 rows is one tree node. Grid (M tiles, splits, bs): a CTA owns one
@@ -14,42 +14,32 @@
 // splits, a block a (row, column quarter) with the splits spread over its warps for many (the
 // AR step at bs 1). A chunk past a request's kv_len writes the empty state (lse = -inf).
 //
-// Inside a CTA: 3 warpgroups. WG0 is the producer: it streams 64-row cache tiles (64 x 576 bf16
-// = 72 KB) into a 2-stage ring, laid out as nine 64 x 64 column blocks in the 128-byte-swizzled
-// form that wgmma reads, each stage signalled on an mbarrier. Two ways (KDT_SM90A_VARIANT bit 1):
-//   cp.async (0): all 128 producer threads copy 16 bytes at a time, rows past the chunk
-//                 zero-filled, then a proxy fence and an arrive;
-//   TMA (2):      one thread issues nine cp.async.bulk.tensor boxes a tile (tensor map encoded
-//                 on the host per call, swizzle done by the TMA unit), each on its own mbarrier
-//                 with an expect-tx arrive; the rest of the producer WG exits. The consumers
-//                 wait for the whole tile, or (bit 2: 6, 7) Q K^T waits for it in three groups
-//                 of three column blocks, starting once the first 24 KB landed. Rows past the
-//                 chunk are other requests' rows (or zeros past the cache): the consumers zero
-//                 them in V before P V reads them, so a non-finite value there cannot leak
-//                 through 0 * NaN.
-// The TMA frees the issue slots and the per-thread request queue that 4608 16-byte copies a
-// tile took: with cp.async every case measured ~2.3 TB/s per device of tile traffic whatever the
-// consumers did (H200, first run), the sign of a load-bound pipeline.
-// WG1 and WG2 are the consumers; two decompositions (KDT_SM90A_VARIANT bit 0):
-//   split keys (0): S_w = Q K_w^T, WG w scores keys [32 w, 32 w + 32) of the tile for all 64
-//       rows (wgmma m64n32k16 x 36, Q and K both K-major from shared memory); the row max is
-//       exchanged through shared memory (named barrier), so both keep the same running max;
-//       P = exp(S - m) written as bf16 into a shared 64 x 64 tile;
-//       O_w += P V_w: WG w owns output columns [256 w, 256 w + 256) (wgmma m64n256k16 x 4, P
-//       K-major, V = the first 512 columns of the same cache tile, MN-major).
-//   one scorer (1): WG1 scores all 64 keys (m64n64: a third less shared-memory traffic for Q
-//       than two m64n32 halves) and owns the softmax; it hands P and the per-row rescale
-//       factors to WG2 through shared memory and scores tile i + 1 while WG2 still multiplies
-//       P(i) V (see attention_kernel<1, *>).
-// Each consumer WG holds a 64 x 256 fp32 accumulator (128 registers a thread); setmaxnreg gives
-// the consumers 232 registers and the producer 40. The tree mask is applied only on tiles that
-// reach the tree tail (or the chunk end); prefix keys are visible to every row. Scores are kept
-// in base 2 (scale * log2 e) and the LSE converted back to the natural log.
+// Inside a CTA: 3 warpgroups. WG0 is the producer: one thread streams 64-row cache tiles
+// (64 x 576 bf16 = 72 KB) into a 2-stage ring, laid out as nine 64 x 64 column blocks in the
+// 128-byte-swizzled form that wgmma reads: nine cp.async.bulk.tensor boxes a tile (tensor map
+// encoded on the host per call, swizzle done by the TMA unit), each on its own mbarrier with an
+// expect-tx arrive; the rest of the producer WG exits. The consumers wait for the whole tile.
+// Rows past the chunk are other requests' rows (or zeros past the cache): the consumers zero
+// them in V before P V reads them, so a non-finite value there cannot leak through 0 * NaN.
+// WG1 and WG2 are the consumers. WG1 scores all 64 keys of a tile (S = Q K^T, wgmma m64n64k16
+// x 36, Q and K both K-major from shared memory) and owns the softmax; it writes P = exp(S - m)
+// as bf16 into a shared 64 x 64 tile and the per-row rescale factors beside it, and scores tile
+// i + 1 while WG2 still multiplies P(i) V. WG w owns output columns [256 w, 256 w + 256)
+// (O_w += P V_w: wgmma m64n256k16 x 4, P K-major, V = the first 512 columns of the same cache
+// tile, MN-major). Each consumer WG holds a 64 x 256 fp32 accumulator (128 registers a thread);
+// setmaxnreg gives the consumers 232 registers and the producer 40. The tree mask is applied
+// only on tiles that reach the tree tail (or the chunk end); prefix keys are visible to every
+// row. Scores are kept in base 2 (scale * log2 e) and the LSE converted back to the natural log.
 //
-// nvcc 13.0 -O3 -Xptxas -v, sm_90a: all six kernels 168 registers at entry (setmaxnreg then
-// moves them to the consumers), no spills, 231584 B of dynamic shared memory, 1 CTA per SM.
-// H200 (first run, cp.async): correct in both decompositions; 283-302 TFLOP/s at tree 16 / 64.
-// The TMA kernels and the wide merge are not yet run on a GPU.
+// History: the H200 dev run of 2026-12-01 measured six variants of this kernel (tree 64,
+// prefix 32k): cp.async loads by the whole producer WG with the two consumer WGs splitting the
+// keys (v0) or with one scoring WG (v1), 290-305 TFLOP/s, load-bound; TMA loads with split keys
+// (v2) 450; TMA with one scoring WG (v3) 500-512; TMA with Q K^T starting on the first three
+// column blocks (v6 split keys, v7 one scorer) 458 / 505. All were correct; v3 was kept, and is
+// the code below (its machine code unchanged by the removal of the others).
+//
+// nvcc 13.0 -O3 -Xptxas -v, sm_90a: 168 registers at entry (setmaxnreg then moves them to the
+// consumers), no spills, 231584 B of dynamic shared memory, 1 CTA per SM.
 //
 // The sm_90a code exists only in the compute_90a pass (__CUDA_ARCH_FEAT_SM90_ALL); in the other
 // passes the kernels are empty stubs, and the host entry returns KDT_ERR_UNSUPPORTED unless the
@@ -61,7 +51,6 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 
 #include "common.h"
@@ -80,8 +69,10 @@ constexpr int kBlockBytes = 64 * 128;                // one 64-row x 128 B block
 constexpr int kTileBytes = kBlocks * kBlockBytes;    // 73728: Q tile and one cache stage
 constexpr int kStages = 2;
 constexpr int kThreads = 384;  // producer WG + 2 consumer WGs
-constexpr int kDefaultVariant = 3;  // KDT_SM90A_VARIANT when unset: TMA loads, one scoring WG (H200 dev run 05:20Z: 500-512 TFLOP/s at tree 64, P >= 32k; v0 cp.async 290-301)
-// shared memory: Q | stages | P | max/sum exchange | mbarriers (+1 KB slack to align to 1 KB)
+// shared memory: Q | stages | P | rescale factors, row sums | mbarriers (+1 KB slack to align to
+// 1 KB). The factor / sum area keeps the [2 (max, sum)][2 WGs][64 rows] size of the split-keys
+// variant this file once had (only [0][0] and [1][*] are used), so that the offsets, and with
+// them the kernel's machine code, stay those of the kernel that was measured.
 constexpr int kOffQ = 0;
 constexpr int kOffKV = kOffQ + kTileBytes;
 constexpr int kOffP = kOffKV + kStages * kTileBytes;
@@ -97,7 +88,8 @@ struct Params {
   const int32_t* kv_indptr;
   const uint16_t* q_lat;  // [total_q * H, 512] bf16 bits
   const uint16_t* q_pe;   // [total_q * H, 64]
-  const uint16_t* kv;     // [total_kv, 576]
+  const uint16_t* kv;     // [total_kv, 576]; unread (the TMA reads the cache through the tensor
+                          // map), kept so that the parameter layout stays the measured kernel's
   const uint32_t* vis;
   float* out;
   float* lse;
@@ -143,16 +135,6 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(col), "r"(row), "r"(bar)
       : "memory");
-}
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-               "r"(valid ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int kN_>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kN_) : "memory");
 }
 __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -206,19 +188,6 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   uint32_t r;
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
-}
-
-__device__ __forceinline__ void wgmma_m64n32_ss(float (&d)[16], uint64_t da, uint64_t db, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\n"
-      "setp.ne.b32 p, %18, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
-      ", %16, %17, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-        "+f"(d[14]), "+f"(d[15])
-      : "l"(da), "l"(db), "r"(scale_d));
 }
 
 __device__ __forceinline__ void wgmma_m64n64_ss(float (&d)[32], uint64_t da, uint64_t db, int scale_d) {
@@ -288,14 +257,6 @@ __device__ __forceinline__ void zero_tail_rows(uint8_t* stage, int valid, int t,
   }
 }
 
-// Waits for column blocks [b0, b0 + 3) of a TMA stage. Q K^T waits in three groups, so it starts
-// once the first 24 KB of the tile landed; each wait between wgmmas costs a wgmma fence (ptxas
-// injects it around the spin loop), so not one wait a block.
-__device__ __forceinline__ void wait_blocks(uint32_t full, int b0, uint32_t parity) {
-#pragma unroll
-  for (int b = b0; b < b0 + 3; ++b) mbar_wait(full + 8 * b, parity);
-}
-
 // O *= the per-row factors (rows r0, r1 of this thread). Skipped, exactly, when no row of the
 // warp changed its running max (every factor 1): after the first tiles of a long prefix that is
 // most tiles, and it saves 128 multiplies a thread on the consumers' critical path.
@@ -312,26 +273,18 @@ __device__ __forceinline__ void rescale_o(float (&o)[128], float f0, float f1) {
 
 #endif  // KDT_SM90A_DEVICE
 
-// kVariant 0: both consumer WGs score half the keys each (m64n32), exchange the row max, and
-//   run in lockstep. kVariant 1 (KDT_SM90A_VARIANT=1, experimental): WG1 of the consumers
-//   (w = 0) scores all 64 keys (m64n64: a third less shared-memory traffic for Q) and owns the
-//   softmax; it hands P and the per-row rescale factors to the other WG through shared memory,
-//   and scores tile i + 1 while the other WG still multiplies P(i) V.
-// kLoad: 0 cp.async by the producer WG; 1 TMA, Q K^T after the whole tile landed; 2 TMA, Q K^T
-// waiting for the tile in three groups of column blocks (wait_blocks).
-template <int kVariant, int kLoad>
+// The attention kernel (see the top of the file): producer WG0, consumers WG1 (scores, softmax)
+// and WG2.
 __global__ void __launch_bounds__(kThreads, 1)
     attention_kernel(const Params p, const __grid_constant__ CUtensorMap kv_map) {
-  constexpr bool kTma = kLoad > 0, kGroupWaits = kLoad == 2;
 #if defined(KDT_SM90A_DEVICE)
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const uint32_t s_base = smem_u32(smem);
   const uint32_t s_q = s_base + kOffQ, s_kv = s_base + kOffKV, s_p = s_base + kOffP;
-  float* red = reinterpret_cast<float*>(smem + kOffRed);  // [2 (max, sum)][2 WGs][64 rows]
-  // full barrier of (stage s, column block b): bar_full + 8 (s kBlocks + b). The TMA kernels
-  // signal each 64-column block on its own barrier, so Q K^T starts on block 0 while the rest of
-  // the tile still lands; the cp.async kernels signal the whole tile on block 0's.
+  float* red = reinterpret_cast<float*>(smem + kOffRed);  // [2 (factor, sum)][2 WGs][64 rows]
+  // full barrier of (stage s, column block b): bar_full + 8 (s kBlocks + b); each 64-column
+  // block's TMA box completes on its own barrier.
   const uint32_t bar_full = s_base + kOffBar, bar_empty = bar_full + 8 * kStages * kBlocks;
 
   const int tid = threadIdx.x;
@@ -367,8 +320,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
-      for (int b = 0; b < kBlocks; ++b)  // TMA: one arrive + the transaction bytes
-        mbar_init(bar_full + 8 * (s * kBlocks + b), kTma ? 1 : 128);
+      for (int b = 0; b < kBlocks; ++b)  // one arrive + the transaction bytes
+        mbar_init(bar_full + 8 * (s * kBlocks + b), 1);
       mbar_init(bar_empty + 8 * s, 256);  // every consumer thread arrives
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -378,52 +331,23 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid < 128) {
     // ============================== producer warpgroup
     setmaxnreg_dec<40>();
-    if constexpr (kTma) {
-      // One thread streams the tiles: nine 64 x 64 boxes (one per 128-byte column block, the
-      // tensor map swizzles them as wgmma reads them) on the stage's full barrier. Rows past the
-      // cache are zero-filled by the TMA unit; rows past the chunk but inside the cache are other
-      // requests' rows, zeroed by the consumers before P V reads them (zero_tail_rows).
-      if (tid == 0) {
-        for (int i = 0; i < n_tiles; ++i) {
-          const int s = i % kStages;
-          mbar_wait(bar_empty + 8 * s, ((i / kStages) & 1) ^ 1);
-          const int32_t row = int32_t(k0 + begin + int64_t(i) * kN);
-          const uint32_t dst0 = s_kv + s * kTileBytes;
+    // One thread streams the tiles: nine 64 x 64 boxes (one per 128-byte column block, the
+    // tensor map swizzles them as wgmma reads them) on the stage's full barriers. Rows past the
+    // cache are zero-filled by the TMA unit; rows past the chunk but inside the cache are other
+    // requests' rows, zeroed by the consumers before P V reads them (zero_tail_rows).
+    if (tid == 0) {
+      for (int i = 0; i < n_tiles; ++i) {
+        const int s = i % kStages;
+        mbar_wait(bar_empty + 8 * s, ((i / kStages) & 1) ^ 1);
+        const int32_t row = int32_t(k0 + begin + int64_t(i) * kN);
+        const uint32_t dst0 = s_kv + s * kTileBytes;
 #pragma unroll
-          for (int blk = 0; blk < kBlocks; ++blk) {
-            const uint32_t bar = bar_full + 8 * (s * kBlocks + blk);
-            mbar_arrive_expect_tx(bar, kBlockBytes);
-            tma_load_2d(dst0 + blk * kBlockBytes, &kv_map, blk * 64, row, bar);
-          }
+        for (int blk = 0; blk < kBlocks; ++blk) {
+          const uint32_t bar = bar_full + 8 * (s * kBlocks + blk);
+          mbar_arrive_expect_tx(bar, kBlockBytes);
+          tma_load_2d(dst0 + blk * kBlockBytes, &kv_map, blk * 64, row, bar);
         }
       }
-      return;
-    }
-    const uint16_t* src0 = p.kv + k0 * kDK;
-    for (int i = 0; i < n_tiles; ++i) {
-      const int s = i % kStages;
-      mbar_wait(bar_empty + 8 * s, ((i / kStages) & 1) ^ 1);
-      const int64_t t0 = begin + int64_t(i) * kN;
-      const uint32_t dst0 = s_kv + s * kTileBytes;
-#pragma unroll 4
-      for (int e = tid; e < kN * 72; e += 128) {
-        const int r = e / 72, c = e - r * 72;
-        const int blk = c >> 3, cc = c & 7;
-        const bool ok = t0 + r < end;
-        const uint16_t* src = src0 + (ok ? (t0 + r) * kDK + c * 8 : 0);
-        cp_async16(dst0 + blk * kBlockBytes + swz(r, cc), src, ok);
-      }
-      cp_async_commit();
-      if (i > 0) {
-        cp_async_wait<1>();
-        fence_proxy_async();
-        mbar_arrive(bar_full + 8 * kBlocks * ((i - 1) % kStages));
-      }
-    }
-    if (n_tiles > 0) {
-      cp_async_wait<0>();
-      fence_proxy_async();
-      mbar_arrive(bar_full + 8 * kBlocks * ((n_tiles - 1) % kStages));
     }
     return;
   }
@@ -431,7 +355,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // ============================== consumer warpgroups
   setmaxnreg_inc<232>();
   const int ct = tid - 128;       // 0..255
-  const int w = ct >> 7;          // consumer WG: keys [32 w, 32 w + 32), out cols [256 w, +256)
+  const int w = ct >> 7;          // consumer WG: 0 scores; each owns out cols [256 w, +256)
   const int t = ct & 127;
   const int lane = t & 31, warp = t >> 5;
   const int r0 = warp * 16 + (lane >> 2), r1 = r0 + 8;  // this thread's two rows of the tile
@@ -453,7 +377,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   fence_proxy_async();
   named_bar_sync(1, 256);
 
-  // per-row state: rows r0, r1 (same in both WGs; the max is exchanged every tile)
+  // per-row state: rows r0, r1 (the running max lives in WG 0, which scores)
   const int64_t rg0 = row_base + r0, rg1 = row_base + r1;
   const int64_t node0 = rg0 / H, node1 = rg1 / H;
   const uint32_t* vis0 = p.vis + (q0 + min(node0, n - 1)) * p.vis_words;
@@ -463,127 +387,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   float o[128];
 #pragma unroll
   for (int i = 0; i < 128; ++i) o[i] = 0.f;
-  float* red_max = red;            // [2][64]
-  float* red_sum = red + 2 * kM;   // [2][64]
+  float* fac = red;               // [64]: the current tile's per-row rescale factors (w 0 -> w 1)
+  float* red_sum = red + 2 * kM;  // [2][64]
 
-  if constexpr (kVariant == 0) {
   for (int i = 0; i < n_tiles; ++i) {
     const int s = i % kStages;
     const int64_t t0 = begin + int64_t(i) * kN;
     const uint32_t st = s_kv + s * kTileBytes;
     const uint32_t full = bar_full + 8 * kBlocks * s, parity = (i / kStages) & 1;
-    if (!kTma) mbar_wait(full, parity);
-    if (kTma && !kGroupWaits)
-      for (int b = 0; b < kBlocks; ++b) mbar_wait(full + 8 * b, parity);
-
-    // ---- S = Q K_w^T over 576 = 36 k-steps of 16
-    float sc[16];
-#pragma unroll
-    for (int k = 0; k < 16; ++k) sc[k] = 0.f;
-    reg_fence(sc);
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < 36; ++ks) {
-      const uint32_t koff = (ks >> 2) * kBlockBytes + (ks & 3) * 32;
-      const uint64_t da = make_desc(s_q + koff, 16, 1024);
-      const uint64_t db = make_desc(st + koff + w * 32 * 128, 16, 1024);
-      if (kGroupWaits && ks % 12 == 0) wait_blocks(full, ks / 4, parity);
-      wgmma_m64n32_ss(sc, da, db, ks > 0 ? 1 : 0);
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
-    reg_fence(sc);
-
-    // ---- scale, mask (only on tiles reaching the tree tail or the chunk end), row max
-    const bool masked = t0 + kN > P || t0 + kN > end;
-    float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int64_t kk = t0 + w * 32 + j * 8 + q4 * 2 + h;  // key index in the request
-        float x0 = sc[4 * j + h] * p.scale_log2;
-        float x1 = sc[4 * j + 2 + h] * p.scale_log2;
-        if (masked) {
-          bool v0 = kk < end, v1 = kk < end;
-          if (kk >= P && kk < end) {
-            const int64_t tk = kk - P;
-            v0 = (__ldg(vis0 + (tk >> 5)) >> (tk & 31)) & 1u;
-            v1 = (__ldg(vis1 + (tk >> 5)) >> (tk & 31)) & 1u;
-          }
-          x0 = v0 ? x0 : -INFINITY;
-          x1 = v1 ? x1 : -INFINITY;
-        }
-        sc[4 * j + h] = x0;
-        sc[4 * j + 2 + h] = x1;
-        mx0 = fmaxf(mx0, x0);
-        mx1 = fmaxf(mx1, x1);
-      }
-    }
-#pragma unroll
-    for (int off = 1; off <= 2; off <<= 1) {
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
-    }
-    if (q4 == 0) {
-      red_max[w * kM + r0] = mx0;
-      red_max[w * kM + r1] = mx1;
-    }
-    named_bar_sync(1, 256);  // (also: both WGs' Q K^T of this stage are done)
-    if (kTma && t0 + kN > end) zero_tail_rows(smem + kOffKV + s * kTileBytes, int(end - t0), ct, 256);
-    const float nm0 = fmaxf(m0, fmaxf(red_max[r0], red_max[kM + r0]));
-    const float nm1 = fmaxf(m1, fmaxf(red_max[r1], red_max[kM + r1]));
-    // exp2 base: -inf max means nothing visible yet; use 0 so exp2(-inf - 0) = 0, never NaN
-    const float base0 = nm0 == -INFINITY ? 0.f : nm0;
-    const float base1 = nm1 == -INFINITY ? 0.f : nm1;
-    const float f0 = exp2f(m0 - base0), f1 = exp2f(m1 - base1);  // m = -inf: 0
-    m0 = nm0;
-    m1 = nm1;
-    d0 *= f0;
-    d1 *= f1;
-    // ---- P = exp2(S - m) as bf16 into the shared 64 x 64 tile (K-major, swizzled)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float p00 = exp2f(sc[4 * j + 0] - base0), p01 = exp2f(sc[4 * j + 1] - base0);
-      const float p10 = exp2f(sc[4 * j + 2] - base1), p11 = exp2f(sc[4 * j + 3] - base1);
-      d0 += p00 + p01;
-      d1 += p10 + p11;
-      const int chunk16 = w * 4 + j;  // keys [8 chunk16, +8) = bytes [16 chunk16, +16)
-      *reinterpret_cast<uint32_t*>(smem + kOffP + swz(r0, chunk16) + q4 * 4) = pack_bf16(p00, p01);
-      *reinterpret_cast<uint32_t*>(smem + kOffP + swz(r1, chunk16) + q4 * 4) = pack_bf16(p10, p11);
-    }
-    // ---- rescale O
-    rescale_o(o, f0, f1);
-    fence_proxy_async();
-    named_bar_sync(1, 256);
-
-    // ---- O_w += P V_w: 4 k-steps of 16 keys; V block cols [256 w, +256) = blocks 4w..4w+3
-    reg_fence(o);  // the rescale above is done before the tensor cores read o
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-      const uint64_t da = make_desc(s_p + ks * 32, 16, 1024);
-      const uint64_t db = make_desc(st + (4 * w) * kBlockBytes + ks * 16 * 128, kBlockBytes, 1024);
-      wgmma_m64n256_ss_tb(o, da, db, 1);
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
-    reg_fence(o);
-    mbar_arrive(bar_empty + 8 * s);
-  }
-
-  } else {
-  float* fac = red_max;  // [64]: the current tile's per-row rescale factors (w 0 -> w 1)
-  for (int i = 0; i < n_tiles; ++i) {
-    const int s = i % kStages;
-    const int64_t t0 = begin + int64_t(i) * kN;
-    const uint32_t st = s_kv + s * kTileBytes;
-    const uint32_t full = bar_full + 8 * kBlocks * s, parity = (i / kStages) & 1;
-    if (!kTma) {
-      mbar_wait(full, parity);
-    } else if (w == 1 || !kGroupWaits) {
-      for (int b = 0; b < kBlocks; ++b) mbar_wait(full + 8 * b, parity);  // WG1: landed by its turn
-    }
+    for (int b = 0; b < kBlocks; ++b) mbar_wait(full + 8 * b, parity);
     if (w == 0) {
       // ---- S = Q K^T for all 64 keys of the tile
       float sc[32];
@@ -594,14 +406,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int ks = 0; ks < 36; ++ks) {
         const uint32_t koff = (ks >> 2) * kBlockBytes + (ks & 3) * 32;
-        if (kGroupWaits && ks % 12 == 0) wait_blocks(full, ks / 4, parity);
         wgmma_m64n64_ss(sc, make_desc(s_q + koff, 16, 1024), make_desc(st + koff, 16, 1024),
                         ks > 0 ? 1 : 0);
       }
       wgmma_commit();
       wgmma_wait<0>();
       reg_fence(sc);
-      if (kTma && t0 + kN > end) zero_tail_rows(smem + kOffKV + s * kTileBytes, int(end - t0), t, 128);
+      if (t0 + kN > end) zero_tail_rows(smem + kOffKV + s * kTileBytes, int(end - t0), t, 128);
       const bool masked = t0 + kN > P || t0 + kN > end;
       float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
@@ -676,7 +487,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     reg_fence(o);
     mbar_arrive(bar_empty + 8 * s);
     if (w == 1 && i + 1 < n_tiles) named_bar_arrive(2, 256);  // P(i) and factors consumed
-  }
   }
 
   // ---- epilogue: total row sums over both WGs' keys, normalise, write
@@ -840,7 +650,7 @@ bool have_sm90a_code() {
   int c = cached.load(std::memory_order_relaxed);
   if (c >= 0) return c == 1;
   cudaFuncAttributes attr{};
-  const cudaError_t e = cudaFuncGetAttributes(&attr, attention_kernel<0, 0>);
+  const cudaError_t e = cudaFuncGetAttributes(&attr, attention_kernel);
   if (e != cudaSuccess) (void)cudaGetLastError();  // no image for this device: not sticky, clear it
   const bool ok = e == cudaSuccess && attr.binaryVersion == 90 && attr.numRegs >= 64;
   cached.store(ok ? 1 : 0, std::memory_order_relaxed);
@@ -968,40 +778,19 @@ kdt_status verify_attention_sm90a(const VerifyAttentionArgs& a, void* stream, vo
   static std::atomic<uint64_t> smem_set{0};
   const uint64_t bit = dev < 64 ? (uint64_t(1) << dev) : 0;
   if (!bit || !(smem_set.load(std::memory_order_relaxed) & bit)) {
-    for (const void* k : {reinterpret_cast<const void*>(attention_kernel<0, 0>),
-                          reinterpret_cast<const void*>(attention_kernel<1, 0>),
-                          reinterpret_cast<const void*>(attention_kernel<0, 1>),
-                          reinterpret_cast<const void*>(attention_kernel<1, 1>),
-                          reinterpret_cast<const void*>(attention_kernel<0, 2>),
-                          reinterpret_cast<const void*>(attention_kernel<1, 2>)})
-      KDT_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes), fn);
+    KDT_CUDA_CHECK(cudaFuncSetAttribute(attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes),
+                   fn);
     smem_set.fetch_or(bit, std::memory_order_relaxed);
   }
-  // KDT_SM90A_VARIANT (read on every call, so that a benchmark can compare them in one process;
-  // getenv is cheap next to the launch): bit 0 the consumer decomposition (0 split keys, 1 one
-  // WG scores), bit 1 the loads (0 cp.async by the producer WG, 1 TMA by one thread), bit 2
-  // (with TMA) Q K^T waiting for the tile in three groups of column blocks. 4 and 5 are 0, 1.
-  const char* venv = std::getenv("KDT_SM90A_VARIANT");
-  int variant = kDefaultVariant;
-  if (venv != nullptr && venv[0] >= '0' && venv[0] <= '7' && venv[1] == '\0') variant = venv[0] - '0';
-  if (!(variant & 2)) variant &= 1;
   CUtensorMap map;
-  std::memset(&map, 0, sizeof map);  // unused by the cp.async kernels
-  if ((variant & 2) && !encode_kv_map(&map, a.kv_cache, a.total_kv))
+  std::memset(&map, 0, sizeof map);
+  if (!encode_kv_map(&map, a.kv_cache, a.total_kv))
     return set_error(KDT_ERR_UNSUPPORTED, fn,
-                     "KDT_SM90A_VARIANT=%d needs cuTensorMapEncodeTiled, which this driver did not give "
-                     "(or it refused the cache's tensor map)",
-                     variant);
+                     "the sm90a path needs cuTensorMapEncodeTiled, which this driver did not give "
+                     "(or it refused the cache's tensor map)");
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const dim3 grid(unsigned(m_tiles), unsigned(prm.splits), unsigned(a.bs));
-  switch (variant) {
-    case 1: attention_kernel<1, 0><<<grid, kThreads, kSmemBytes, s>>>(prm, map); break;
-    case 2: attention_kernel<0, 1><<<grid, kThreads, kSmemBytes, s>>>(prm, map); break;
-    case 3: attention_kernel<1, 1><<<grid, kThreads, kSmemBytes, s>>>(prm, map); break;
-    case 6: attention_kernel<0, 2><<<grid, kThreads, kSmemBytes, s>>>(prm, map); break;
-    case 7: attention_kernel<1, 2><<<grid, kThreads, kSmemBytes, s>>>(prm, map); break;
-    default: attention_kernel<0, 0><<<grid, kThreads, kSmemBytes, s>>>(prm, map); break;
-  }
+  attention_kernel<<<grid, kThreads, kSmemBytes, s>>>(prm, map);
   KDT_CUDA_CHECK(cudaGetLastError(), fn);
   if (prm.splits > 1) {
     const int64_t all_rows = int64_t(a.total_q) * a.num_heads;
