@@ -159,5 +159,9 @@ def test_latest_may_stand_for_either_run(tmp_path, rng):
 
 @needs_h200
 def test_cli_accepts_latest_as_the_second_run():
-    r = _invoke(TREE_A.name, "latest")  # the newest other bench run of h200 shares nothing with it
-    assert r.returncode == 5 and "nothing comparable" in r.stdout, r.stdout + r.stderr
+    # "latest" is the newest committed bench run of h200; what compare then says of the pair
+    # depends on the committed runs (nothing comparable, other build flags, a verdict), so the
+    # test checks that the CLI resolved "latest" and compared, not the verdict.
+    newest = max(p.name for p in H200.iterdir() if p.is_dir() and p.name.endswith("-bench"))
+    r = _invoke(TREE_A.name, "latest")
+    assert r.returncode in (0, 1, 5) and f"A={TREE_A.name} B={newest}" in r.stdout, r.stdout + r.stderr
