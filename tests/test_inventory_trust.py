@@ -55,6 +55,7 @@ KEYLIKE = [
     ("env", lambda: {"B64": base64.b64encode(os.urandom(48)).decode()}, "env.B64"),
     ("gpus", lambda: {"count": 1, "model": "glpat-" + secrets.token_urlsafe(20)}, "gpus.model"),
     ("python", lambda: "sk-" + secrets.token_urlsafe(30), "python"),
+    ("remote_dir", lambda: "~/runs_a/" + secrets.token_urlsafe(40), "remote_dir"),  # a token as a path part
 ]
 
 
@@ -71,7 +72,8 @@ def test_key_like_values_are_refused_in_any_field(field, make, named):
 
 @pytest.mark.parametrize("value", ["/opt/cuda/bin:$PATH", "/usr/local/cuda-13.0/targets/x86_64-linux/lib:$LD_LIBRARY_PATH",
                                    "NVIDIA RTX PRO 6000 Blackwell Server Edition", "/home/me/.venvs/kdtree-engine-py312/bin/python3",
-                                   "expandable_segments:True,garbage_collection_threshold:0.8", "0123456789abcdef" * 2])
+                                   "expandable_segments:True,garbage_collection_threshold:0.8", "0123456789abcdef" * 2,
+                                   "/tmp/pytest-of-root/pytest-173/test_run_missing_cwd_fails_cle1/hosts/loop.yaml"])
 def test_ordinary_values_are_not_taken_for_keys(value):
     assert not looks_like_secret(value)
     assert load(env={"V": value}).env["V"] == value

@@ -268,17 +268,26 @@ def _entropy(s: str) -> float:
     return -sum(c / n * log2(c / n) for c in Counter(s).values())
 
 
+def _random_looking(core: str) -> bool:
+    classes = sum((any(c.isdigit() for c in core), any(c.isupper() for c in core),
+                   any(c.islower() for c in core)))
+    return len(core) >= 32 and classes >= 2 and _entropy(core) > 4.2
+
+
 def looks_like_secret(value: str) -> bool:
     """A PEM block, an ssh key, a known token prefix, or a long random-looking base64 run
     (32+ characters, two of digits / upper / lower case, over 4.2 bits of entropy per
-    character: paths and words stay below that)."""
+    character: words stay below that). A run that holds "/" and also "-" or "_" is a path, not
+    one token (standard base64 has "/" but neither "-" nor "_"; base64url has those but no "/"):
+    its "/"-separated parts are judged one by one, so that a long path of ordinary names (a
+    pytest temporary folder, say) is not taken for a token."""
     if _KEYLIKE_RE.search(value):
         return True
     for run in _RUN_RE.findall(value):
-        core = run.replace("/", "")
-        classes = sum((any(c.isdigit() for c in core), any(c.isupper() for c in core),
-                       any(c.islower() for c in core)))
-        if len(core) >= 32 and classes >= 2 and _entropy(core) > 4.2:
+        if "/" in run and ("-" in run or "_" in run):
+            if any(_random_looking(part) for part in run.split("/")):
+                return True
+        elif _random_looking(run.replace("/", "")):
             return True
     return False
 
