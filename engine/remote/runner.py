@@ -72,7 +72,9 @@ def file_list(run_dir: Path) -> list[dict]:
 
 
 def write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    # The temporary name is this process's own: another writer of the same file (the client's
+    # lock handoff writes owner.json.tmp) can never move it away under us.
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=2, sort_keys=True)
         f.write("\n")
@@ -311,7 +313,10 @@ def claim_lock(lock: dict | None) -> None:
         return
     if owner.get("token") == lock["token"]:
         owner["host_pid"] = os.getpid()
-        write_json_atomic(path, owner)
+        try:
+            write_json_atomic(path, owner)
+        except OSError:  # the client released or handed the lock over meanwhile: nothing to claim
+            return
 
 
 def release_lock(lock: dict | None) -> None:
