@@ -31,6 +31,8 @@ import sys
 
 import numpy as np
 
+from bench.validate import rel_err
+
 DL, DR, DK = 512, 64, 576
 TOL = 1e-2
 KDT_BACKEND_CUDA = 1
@@ -127,16 +129,6 @@ class Case:
 
     def cache_bytes(self) -> float:
         return float(self.total_kv) * DK * 2
-
-
-def rel_err(out, ref) -> float:
-    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    finite = np.isfinite(ref)
-    if not np.array_equal(finite, np.isfinite(out)):
-        return float("inf")
-    if not finite.any():
-        return 0.0
-    return float(np.abs(out[finite] - ref[finite]).max() / max(np.abs(ref[finite]).max(), 1e-30))
 
 
 def reference_gpu(case: Case):

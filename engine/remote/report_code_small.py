@@ -11,7 +11,7 @@ not hold is shown as "-".
 from __future__ import annotations
 
 from engine.remote.report_meaning import (_num, _rate, _src, e2e_device, e2e_find, e2e_records,
-                                          service_records, us)
+                                          service_records, service_rows)
 
 MODEL = "code-small"
 DRAFTER = "block:trained"
@@ -150,18 +150,7 @@ def code_small_lines(view) -> list:
                 f"| held-out loss of the target (nats/token) | below unigram | "
                 f"{_num(ho, '.3f')} vs {_num(uni, '.3f')} |", ""]
     if svc:
-        def tps(r):
-            return ((r.get("rates") or {}).get("aggregate_tokens_per_s") or {}).get("value")
-
-        by = {(r["case"].get("mode"), r["case"].get("concurrency")): r for r in svc}
-        rows = []
-        for (mode, conc), r in sorted(by.items(), key=lambda kv: (str(kv[0][0]), kv[0][1] or 0)):
-            t = r.get("ttft_s") or {}
-            ar = by.get(("ar", conc))
-            rel = f"{tps(r) / tps(ar):.2f}x" if mode != "ar" and ar and tps(ar) and tps(r) else "-"
-            rows.append(f"| {mode} | {conc} | {_num(tps(r), '.0f')} | {rel} | {us(t.get('p50'))} | "
-                        f"{us(t.get('p99'))} | {r.get('errors', '-')} | "
-                        f"{'ok' if (r.get('validation') or {}).get('ok') else 'FAIL'} |")
+        rows = service_rows(svc, check=True)
         q = (view["suites"]["service"].get("params") or {})
         out += [f"Served (service{_src(view, 'service')}; text prompts of "
                 f"{'-'.join(map(str, sp.get('prompt_tokens') or [])) or '?'} tokens from held-out files, "

@@ -409,19 +409,31 @@ def _round_lines(view) -> list:
             "|--:|---|" + "--:|" * (len(ROUND_PHASES) + 2)] + rows + [""]
 
 
-def _service_lines(view) -> list:
-    recs = service_records(view)
-    if not recs:
-        return []
-    tps = lambda r: ((r.get("rates") or {}).get("aggregate_tokens_per_s") or {}).get("value")  # noqa: E731
+def service_rows(recs, check: bool = False) -> list:
+    """Table rows per (mode, concurrency): tok/s, vs AR at the same concurrency, TTFT p50/p99,
+    errors (and, with check, whether the served tokens were the engine's)."""
+    def tps(r):
+        return ((r.get("rates") or {}).get("aggregate_tokens_per_s") or {}).get("value")
+
     by = {(r["case"].get("mode"), r["case"].get("concurrency")): r for r in recs}
     rows = []
     for (mode, conc), r in sorted(by.items(), key=lambda kv: (str(kv[0][0]), kv[0][1] or 0)):
         t = r.get("ttft_s") or {}
         ar = by.get(("ar", conc))
         rel = f"{tps(r) / tps(ar):.2f}x" if mode != "ar" and ar and tps(ar) and tps(r) else "-"
-        rows.append(f"| {mode} | {conc} | {_num(tps(r), '.0f')} | {rel} | {us(t.get('p50'))} | "
-                    f"{us(t.get('p99'))} | {r.get('errors', '-')} |")
+        row = (f"| {mode} | {conc} | {_num(tps(r), '.0f')} | {rel} | {us(t.get('p50'))} | "
+               f"{us(t.get('p99'))} | {r.get('errors', '-')} |")
+        if check:
+            row += f" {'ok' if (r.get('validation') or {}).get('ok') else 'FAIL'} |"
+        rows.append(row)
+    return rows
+
+
+def _service_lines(view) -> list:
+    recs = service_records(view)
+    if not recs:
+        return []
+    rows = service_rows(recs)
     p = view["suites"]["service"].get("params") or {}
     return [f"Served, `tiny` (service{_src(view, 'service')}; {p.get('requests', '?')} requests per level, "
             f"{p.get('max_tokens', '?')} tokens each, DDTree budget {p.get('budget', '?')}"
