@@ -2,8 +2,7 @@
 each case validated against the reference, then timed as the kernel alone (a CUDA graph of 20
 calls / 20) and as one call between events; the native CPU backend beside it. Prints one line per
 case and PASS / FAIL per goal; exits 1 on a wrong tree or a missed goal. Builds: KDT_TREE_BUILD
-auto (the default, which the goals judge: warp up to budget 127, parallel above), parallel
-(budgets <= 255), warp (budgets > 255) and serial; accepts: KDT_TREE_ACCEPT walk (the default,
+auto (the default, which the goals judge), parallel, warp, and serial (budgets <= 255); accepts: KDT_TREE_ACCEPT walk (the default,
 judged) and table.
 
     KDTREE_LIB=build/h200/libkdtree.so python3 -m bench.tree_goals
@@ -52,8 +51,7 @@ def main() -> int:
             inp = tree_inputs(rng, bs, 15, min(budget, 64))
             ref = ddtree.build_tree(inp["top_logp"], inp["top_ids"], budget, inp["root_ids"],
                                     inp["seq_lens"])
-            for algo in (("auto", "parallel", "serial") if budget <= 255
-                         else ("auto", "warp", "serial")):
+            for algo in ("auto", "parallel", "warp") + (("serial",) if budget <= 255 else ()):
                 with side_stream("cuda"), tree_algo(algo):
                     p = prepare_tree_build(lib, "cuda", inp, budget)
                     p.run()

@@ -93,12 +93,17 @@ def random_build_inputs(rng, bs: int, L: int, K: int, ties: bool):
 
 
 def assert_same(got, ref, fields, context: str) -> None:
-    """Exact equality per field: shape, dtype, then the first differing index and both values."""
+    """Exact equality per field: shape, dtype, then the first differing index and both values.
+    Floats compare bit for bit (-0.0 is not +0.0)."""
     for f in fields:
         g, r = np.asarray(getattr(got, f)), np.asarray(getattr(ref, f))
         assert g.shape == r.shape, f"{context}: {f}: shape {g.shape} != reference {r.shape}"
         assert g.dtype == r.dtype, f"{context}: {f}: dtype {g.dtype} != reference {r.dtype}"
-        diff = np.argwhere(g != r)
+        if g.dtype.kind == "f":
+            bits = np.dtype(f"u{g.dtype.itemsize}")
+            diff = np.argwhere(g.view(bits) != r.view(bits))
+        else:
+            diff = np.argwhere(g != r)
         if len(diff):
             at = tuple(int(v) for v in diff[0])
             raise AssertionError(f"{context}: {f}: {len(diff)} elements differ; first at {at}: "

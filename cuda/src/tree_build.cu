@@ -185,32 +185,98 @@ __global__ void __launch_bounds__(kThreads) tree_build_kernel(TreeBuildArgs a) {
   write_outputs(a, b, n, W, used, s.node_cand, s.node_score, s.first_child, s.next_sibling, ids);
 }
 
-// The block as tree_build_parallel.h wants it: a phase runs on every thread, then a barrier.
+// The block as tree_build_parallel.h wants it: a phase runs on every thread, then a barrier;
+// an exclusive scan and a histogram suffix pick as collectives (warp shuffles, two barriers).
 struct GpuBlock {
+  int* wsum;  // [34] scratch of the collectives (shared memory)
   __device__ int threads() const { return blockDim.x; }
   template <class F>
   __device__ void run(F f) {
     f((int)threadIdx.x);
     __syncthreads();
   }
-  template <class F>
-  __device__ void run_warp(F f) {
-    f((int)threadIdx.x);
-    __syncwarp();
+  __device__ static int warp_inclusive(int x, int lane) {
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(kFull, x, o);
+      if (lane >= o) x += y;
+    }
+    return x;
   }
-  __device__ void barrier() { __syncthreads(); }
+  // Exclusive scan of a[0..m) in place (each thread a contiguous chunk); returns the total.
+  __device__ int scan(int* a, int m) {
+    const int T = blockDim.x, t = threadIdx.x, lane = t & 31, w = t >> 5, nw = T >> 5;
+    const int per = (m + T - 1) / T;
+    const int a0 = min(m, t * per), a1 = min(m, a0 + per);
+    int s = 0;
+    for (int i = a0; i < a1; ++i) s += a[i];
+    const int x = warp_inclusive(s, lane);
+    if (lane == 31) wsum[w] = x;
+    __syncthreads();
+    if (w == 0) {
+      const int v = lane < nw ? wsum[lane] : 0;
+      const int z = warp_inclusive(v, lane);
+      if (lane < nw) wsum[lane] = z - v;
+      if (lane == 31) wsum[32] = z;
+    }
+    __syncthreads();
+    int run = wsum[w] + x - s;
+    for (int i = a0; i < a1; ++i) { const int v = a[i]; a[i] = run; run += v; }
+    const int total = wsum[32];
+    __syncthreads();
+    return total;
+  }
+  // The largest j with hist[j] + ... + hist[nb - 1] >= need (that sum in *got), or -1. Warp 0,
+  // nb <= 32 * 8 bins of 8 per lane.
+  __device__ int suffix_pick(const int* hist, int nb, int need, int* got) {
+    const int t = threadIdx.x;
+    if (t < 32) {
+      constexpr int kPer = 8;
+      const int b0 = t * kPer;
+      int loc[kPer];
+      int s = 0;
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) { loc[k] = b0 + k < nb ? hist[b0 + k] : 0; s += loc[k]; }
+      // Sum over the lanes above this one.
+      int above = s;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_down_sync(kFull, above, o);
+        if (t + o < 32) above += y;
+      }
+      above -= s;
+      int j = -1, cnt = 0, run = above;
+#pragma unroll
+      for (int k = kPer - 1; k >= 0; --k) {
+        run += loc[k];
+        if (j < 0 && run >= need) { j = b0 + k; cnt = run; }
+      }
+      const unsigned m = __ballot_sync(kFull, j >= 0);
+      if (t == 0) { wsum[33] = -1; wsum[32] = 0; }
+      __syncwarp();
+      if (m) {
+        const int top = 31 - __clz((int)m);
+        if (t == top) { wsum[33] = j; wsum[32] = cnt; }
+      }
+    }
+    __syncthreads();
+    const int j = wsum[33];
+    *got = wsum[32];
+    __syncthreads();
+    return j;
+  }
 };
 
-// Dynamic shared memory of the parallel kernel for a budget and thread count (layout in the
-// kernel; 8-byte arrays first, then 4-byte, then 2-byte).
-size_t par_smem_bytes(int budget, int T) {
+// Dynamic shared memory of the parallel kernel for a budget and L (layout in the kernel; 8-byte
+// arrays first, then 4-byte, then 2-byte).
+size_t par_smem_bytes(int budget, int L) {
   const size_t n = (size_t)budget + 1, cap = (size_t)tree::par::pool_capacity(budget);
-  return n * 8 + cap * 4 * 8 + n * 4 + cap * 2 * 4 + (size_t)(T + tree::par::kBins + 33) * 4 +
-         cap * 2 * 2 + n * 2 * 2;
+  return n * 8 + (size_t)(L + 1) * 8 + cap * 4 * 8 + n * 4 + cap * 2 * 4 +
+         (size_t)(cap + tree::par::kBins + 34) * 4 + cap * 2 * 2 + n * 2 * 2;
 }
 
 // The request's log-probs are staged in shared memory (after the arrays above) when they take
-// at most this many bytes: the sibling chains then read them at shared-memory latency.
+// at most this many bytes: the binary searches then read them at shared-memory latency.
 constexpr size_t kStageLogpBytes = 16 * 1024;
 __host__ __device__ size_t stage_bytes(int L, int K) {
   const size_t b = (size_t)L * K * sizeof(float);
@@ -219,47 +285,48 @@ __host__ __device__ size_t stage_bytes(int L, int K) {
 
 __global__ void tree_build_parallel_kernel(TreeBuildArgs a) {
   extern __shared__ double smem[];
-  const int n = a.budget + 1, W = (n + 31) / 32, T = blockDim.x;
+  const int n = a.budget + 1, W = (n + 31) / 32;
   const int cap = tree::par::pool_capacity(a.budget);
   const int b = blockIdx.x;
   __shared__ tree::par::Shared S;
   __shared__ int used;
-  // Layout: node scores [n], pool scores 2 x [cap], pool keys 2 x [cap] (doubles / uint64);
-  // node cands [n], pool cands 2 x [cap], part [T], hist [kBins + 33] (4 bytes); order [cap],
-  // inv [cap], first_child [n], next_sibling [n] (2 bytes).
+  // Layout: node scores [n], chain [L + 1], pool scores 2 x [cap], pool keys 2 x [cap] (8
+  // bytes); node cands [n], pool cands 2 x [cap], cnt [cap], hist [kBins], wsum [34] (4 bytes);
+  // idx [cap], inv [cap], first_child [n], next_sibling [n] (2 bytes); staged log-probs.
   double* node_score = smem;
-  double* pool = smem + n;
+  double* chain = node_score + n;
+  double* pool = chain + a.L + 1;
   uint64_t* keys = reinterpret_cast<uint64_t*>(pool + 2 * cap);
   uint32_t* node_cand = reinterpret_cast<uint32_t*>(keys + 2 * cap);
   uint32_t* cands = node_cand + n;
-  int* part = reinterpret_cast<int*>(cands + 2 * cap);
-  int* hist = part + T;
-  uint16_t* order = reinterpret_cast<uint16_t*>(hist + tree::par::kBins + 33);
-  int16_t* inv = reinterpret_cast<int16_t*>(order + cap);
+  int* cnt = reinterpret_cast<int*>(cands + 2 * cap);
+  int* hist = cnt + cap;
+  int* wsum = hist + tree::par::kBins;
+  uint16_t* idx = reinterpret_cast<uint16_t*>(wsum + 34);
+  int16_t* inv = reinterpret_cast<int16_t*>(idx + cap);
   int16_t* first_child = inv + cap;
   int16_t* next_sibling = first_child + n;
+  const size_t lk = (size_t)a.L * a.K;
+  const float* lp = a.top_logp + b * lk;
+  const int64_t* ids = a.top_ids + b * lk;
   if (threadIdx.x == 0) {
     S.score[0] = pool; S.score[1] = pool + cap;
     S.key[0] = keys; S.key[1] = keys + cap;
     S.cand[0] = cands; S.cand[1] = cands + cap;
-    S.order = order; S.inv = inv; S.part = part; S.hist = hist;
+    S.cnt = cnt; S.idx = idx; S.inv = inv; S.hist = hist; S.chain = chain;
     tree::Scratch ks{};
     tree::set_key_layout(ks, a.L, a.K);
     S.key_bits = ks.key_bits;
     S.key_depth = ks.key_depth;
   }
-  __syncthreads();
-  const size_t lk = (size_t)a.L * a.K;
-  const float* lp = a.top_logp + b * lk;
-  const int64_t* ids = a.top_ids + b * lk;
   if (stage_bytes(a.L, a.K)) {
     float* staged = reinterpret_cast<float*>(next_sibling + n);
-    for (size_t i = threadIdx.x; i < lk; i += blockDim.x) staged[i] = lp[i];
+    for (size_t i = threadIdx.x; i < lk; i += blockDim.x) staged[i] = __ldg(lp + i);
     lp = staged;
-    __syncthreads();
   }
+  __syncthreads();
   const tree::par::Nodes nodes{node_score, node_cand, first_child, next_sibling};
-  GpuBlock blk;
+  GpuBlock blk{wsum};
   int u = tree::par::build(blk, S, nodes, lp, a.L, a.K, a.budget, cap);
   if (u < 0) {
     // The serial selection (warp variant) over the pool's memory: its frontier and keys (20 n
@@ -464,7 +531,7 @@ kdt_status tree_build_cuda(const TreeBuildArgs& a, void* stream) {
     return launch_warp_build(a, st);
   if (mode != Mode::kSerial) {
     const int T = tree::par::threads_for(a.budget);
-    const size_t psmem = par_smem_bytes(a.budget, T) + stage_bytes(a.L, a.K);
+    const size_t psmem = par_smem_bytes(a.budget, a.L) + stage_bytes(a.L, a.K);
     // The shared-memory opt-in, once per device at the largest size the device allows, so that
     // a later call under graph capture makes no attribute call. A budget whose pool does not
     // fit (devices with < 200 KB per block, budgets near 1024) runs the serial kernel.
@@ -479,8 +546,7 @@ kdt_status tree_build_cuda(const TreeBuildArgs& a, void* stream) {
                      fn);
       limit -= 1024;  // the kernel's static shared memory (S, used)
       const int most =
-          (int)(par_smem_bytes(tree::kMaxBudget, tree::par::threads_for(tree::kMaxBudget)) +
-                kStageLogpBytes);
+          (int)(par_smem_bytes(tree::kMaxBudget, tree::kMaxDepth) + kStageLogpBytes);
       limit = limit < most ? limit : most;
       KDT_CUDA_CHECK(cudaFuncSetAttribute(tree_build_parallel_kernel,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize, limit),

@@ -12,7 +12,6 @@
 // path ran).
 #include <cstdlib>
 #include <cstring>
-#include <functional>
 #include <vector>
 
 #include "common.h"
@@ -24,34 +23,37 @@
 namespace kdt {
 namespace {
 
-// The CPU stand-in for a CTA: each phase runs for thread 0, 1, ..., T - 1 in turn. Phases that
-// need only a warp barrier (run_warp) are deferred to the next block barrier and then run warp
-// by warp, each warp through all of them before the next warp starts: the most skewed order a
-// GPU may take, so that a stage that wrongly reads another warp's entries shows up here.
+// The CPU stand-in for a CTA (tree_build_parallel.h's Block): each phase runs for thread 0, 1,
+// ..., T - 1 in turn; the collectives run serially (tree_build.cu's GpuBlock has the parallel
+// ones). Compiled by nvcc too (host code), hence KDT_HD and the guards.
 struct CpuBlock {
   int T;
-  std::vector<std::function<void(int)>> pending;
   KDT_HD int threads() const { return T; }
-  KDT_HD void barrier() {
-#if !defined(__CUDA_ARCH__)
-    for (int w = 0; w < T; w += 32)
-      for (auto& f : pending)
-        for (int t = w; t < w + 32 && t < T; ++t) f(t);
-    pending.clear();
-#endif
-  }
   template <class F>
   KDT_HD void run(F f) {
 #if !defined(__CUDA_ARCH__)
-    barrier();
     for (int t = 0; t < T; ++t) f(t);
 #endif
   }
-  template <class F>
-  KDT_HD void run_warp(F f) {
+  KDT_HD int scan(int* a, int m) {
 #if !defined(__CUDA_ARCH__)
-    pending.emplace_back(f);
+    int s = 0;
+    for (int i = 0; i < m; ++i) { const int v = a[i]; a[i] = s; s += v; }
+    return s;
+#else
+    return 0;
 #endif
+  }
+  KDT_HD int suffix_pick(const int* hist, int nb, int need, int* got) {
+    *got = 0;
+#if !defined(__CUDA_ARCH__)
+    int s = 0;
+    for (int j = nb - 1; j >= 0; --j) {
+      s += hist[j];
+      if (s >= need) { *got = s; return j; }
+    }
+#endif
+    return -1;
   }
 };
 
@@ -89,26 +91,27 @@ int warp_build_any(const float* lp, int L, int K, int budget, const tree::Scratc
 // The parallel algorithm's pool and scratch for one request at a time.
 struct ParallelScratch {
   int cap, T;
-  std::vector<double> score0, score1;
+  std::vector<double> score0, score1, chain;
   std::vector<uint32_t> cand0, cand1;
   std::vector<uint64_t> key0, key1;
-  std::vector<uint16_t> order;
+  std::vector<int> cnt, hist;
+  std::vector<uint16_t> idx;
   std::vector<int16_t> inv;
-  std::vector<int> part, hist;
   tree::par::Shared S;
 
   ParallelScratch(int budget, int L, int K, int threads)
-      : cap(tree::par::pool_capacity(budget)), T(threads), score0(cap), score1(cap), cand0(cap),
-        cand1(cap), key0(cap), key1(cap), order(cap), inv(cap), part(threads),
-        hist(tree::par::kBins + 33) {
+      : cap(tree::par::pool_capacity(budget)), T(threads), score0(cap), score1(cap),
+        chain(L + 1), cand0(cap), cand1(cap), key0(cap), key1(cap), cnt(cap),
+        hist(tree::par::kBins), idx(cap), inv(cap) {
     S = tree::par::Shared{};
     S.score[0] = score0.data(); S.score[1] = score1.data();
     S.cand[0] = cand0.data(); S.cand[1] = cand1.data();
     S.key[0] = key0.data(); S.key[1] = key1.data();
-    S.order = order.data();
+    S.cnt = cnt.data();
+    S.idx = idx.data();
     S.inv = inv.data();
-    S.part = part.data();
     S.hist = hist.data();
+    S.chain = chain.data();
     tree::Scratch ks{};
     tree::set_key_layout(ks, L, K);
     S.key_bits = ks.key_bits;
@@ -152,14 +155,17 @@ kdt_status tree_build_cpu(const TreeBuildArgs& a) {
                             {node_score.data(), node_cand.data(), first_child.data(),
                              next_sibling.data()});
     } else if (algo != Algo::kSerial) {
-      CpuBlock blk{ps[0].T, {}};
+      CpuBlock blk{ps[0].T};
       used = tree::par::build(blk, ps[0].S, nodes, lp, a.L, a.K, a.budget, ps[0].cap);
       if (used < 0 && algo == Algo::kStrict)
         return set_error(KDT_ERR_INTERNAL, fn,
                          "request %d: the parallel build declined it (%s); "
                          "KDT_TREE_BUILD=parallel-strict refuses the serial fallback",
-                         b, (ps[0].S.flags & tree::par::kAnomaly) ? "a score above its generator"
-                                                                  : "pool overflow");
+                         b, (ps[0].S.flags & tree::par::kAnomaly)
+                                ? "a positive log-prob or an unsorted row: a score above its generator"
+                                : (ps[0].S.flags & tree::par::kInexact)
+                                      ? "non-finite log-probs or mixed magnitudes whose float64 sums may round"
+                                      : "pool overflow");
     }
     if (used < 0) used = tree::build_one(lp, a.L, a.K, a.budget, s);
     const size_t o = (size_t)b * n;
