@@ -3,9 +3,12 @@
 Trees come from the reference build on fresh random inputs (seed in every message); targets
 follow a random tree path (all-accept down to a leaf), reject at the root, or are random;
 malformed trees get random links, cycles, out-of-range indices and duplicate sibling tokens.
-KDT_TREE_ACCEPT picks the algorithm per call: "walk" (the reference walk; the default on both
-backends) or "table" (the match-table phases of cuda/src/tree_accept_table.h, which the CPU
-backend runs lane by lane); every test runs both.
+KDT_TREE_ACCEPT picks the algorithm per call: "walk" (the reference walk; the CPU default) or
+"parallel" (the phases of cuda/src/tree_accept_parallel.h: the CUDA default, which the CPU
+backend runs thread by thread); every test runs both. Well-formed trees also run under
+"parallel-strict", which fails where the parallel phases would fall back to the walk, so those
+tests prove the parallel path itself ran (tests/test_native_tree_hostile.py has the hostile
+shapes).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from native_helpers import (  # noqa: F401 (fixtures)
 pytestmark = pytest.mark.native
 
 
-@pytest.fixture(params=["walk", "table"], autouse=True)
+@pytest.fixture(params=["walk", "parallel"], autouse=True)
 def accept_algo(request, monkeypatch):
     monkeypatch.setenv("KDT_TREE_ACCEPT", request.param)
     return request.param
