@@ -68,6 +68,8 @@ Algo algo_from_env() {
   return Algo::kParallel;
 }
 
+constexpr int kCopyUnroll = 8;
+
 __global__ void __launch_bounds__(32) tree_accept_kernel(TreeAcceptArgs a) {
   extern __shared__ int64_t sm[];
   const int lane = threadIdx.x;
@@ -79,16 +81,34 @@ __global__ void __launch_bounds__(32) tree_accept_kernel(TreeAcceptArgs a) {
   int32_t* fc = reinterpret_cast<int32_t*>(sm + 2 * n);
   int32_t* ns = fc + n;
   int32_t* idx = a.accept_index + o;
-  for (int i = lane; i < n; i += 32) {
-    tok[i] = a.tokens[o + i];
-    want[i] = a.target_argmax[o + i];
-    fc[i] = tree::link_narrow(a.first_child[o + i], n);
-    ns[i] = tree::link_narrow(a.next_sibling[o + i], n);
-    idx[i] = -1;
+  const int nn = a.num_nodes ? __ldg(a.num_nodes + b) : n;
+  // kCopyUnroll entries per lane in flight: every load of a group before any of its stores.
+  for (int base = lane; base < n; base += 32 * kCopyUnroll) {
+    int64_t t[kCopyUnroll], w[kCopyUnroll], f[kCopyUnroll], x[kCopyUnroll];
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int i = base + 32 * u;
+      if (i < n) {
+        t[u] = __ldg(a.tokens + o + i);
+        w[u] = __ldg(a.target_argmax + o + i);
+        f[u] = __ldg(a.first_child + o + i);
+        x[u] = __ldg(a.next_sibling + o + i);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int i = base + 32 * u;
+      if (i < n) {
+        tok[i] = t[u];
+        want[i] = w[u];
+        fc[i] = tree::link_narrow(f[u], n);
+        ns[i] = tree::link_narrow(x[u], n);
+        idx[i] = -1;
+      }
+    }
   }
   __syncwarp();
   if (lane != 0) return;
-  const int nn = a.num_nodes ? a.num_nodes[b] : n;
   const tree::AcceptResult r = tree::accept_one(n, nn, tok, fc, ns, want, idx);
   a.accept_len[b] = r.len;
   a.bonus[b] = r.bonus;
