@@ -106,9 +106,12 @@ def test_accept_well_formed_hostile_trees(device, algo, n, rng, monkeypatch):
     assert seen <= {0, 3}, f"well-formed trees gave statuses {sorted(seen)}"
 
 
-def test_accept_chain_walks_every_node(rng, monkeypatch):
-    # A chain of 1024 whose targets all match: accept_len n, every node in order (both backends'
-    # algorithms on the CPU; the CUDA device runs in the test above).
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("algo", ["walk", "parallel-strict"])
+def test_accept_chain_walks_every_node(device, algo, rng, monkeypatch):
+    # A chain of 1024 (the parallel kernel's largest n) whose targets all match: accept_len n,
+    # every node in chain order.
+    monkeypatch.setenv("KDT_TREE_ACCEPT", algo)
     n = 1024
     labels = np.r_[0, 1 + rng.permutation(n - 1)]
     fc = np.full((1, n), -1, np.int64)
@@ -117,10 +120,8 @@ def test_accept_chain_walks_every_node(rng, monkeypatch):
     tgt = np.full((1, n), -5, np.int64)
     tgt[0, labels[:-1]] = tokens[0, labels[1:]]
     tree = Links(tokens, fc, np.full((1, n), -1, np.int64), None)
-    for algo in ("walk", "parallel-strict"):
-        monkeypatch.setenv("KDT_TREE_ACCEPT", algo)
-        got = _check(tree, tgt, "cpu", algo)
-        assert got.accept_len[0] == n and (got.accept_index[0] == labels).all(), algo
+    got = _check(tree, tgt, device, f"{algo} {device}")
+    assert got.accept_len[0] == n and (got.accept_index[0] == labels).all(), algo
 
 
 def _inject(rng, tree, tgt):
