@@ -3,9 +3,12 @@
 Trees come from the reference build on fresh random inputs (seed in every message); targets
 follow a random tree path (all-accept down to a leaf), reject at the root, or are random;
 malformed trees get random links, cycles, out-of-range indices and duplicate sibling tokens.
-KDT_TREE_ACCEPT picks the algorithm per call: "walk" (the reference walk; the default on both
-backends) or "table" (the match-table phases of cuda/src/tree_accept_table.h, which the CPU
-backend runs lane by lane); every test runs both.
+KDT_TREE_ACCEPT picks the algorithm per call: "walk" (the reference walk; the CPU default) or
+"parallel" (the phases of cuda/src/tree_accept_parallel.h: the CUDA default, which the CPU
+backend runs thread by thread); every test runs both. Well-formed trees also run under
+"parallel-strict", which fails where the parallel phases would fall back to the walk, so those
+tests prove the parallel path itself ran (tests/test_native_tree_hostile.py has the hostile
+shapes).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from native_helpers import (  # noqa: F401 (fixtures)
 pytestmark = pytest.mark.native
 
 
-@pytest.fixture(params=["walk", "table"], autouse=True)
+@pytest.fixture(params=["walk", "parallel"], autouse=True)
 def accept_algo(request, monkeypatch):
     monkeypatch.setenv("KDT_TREE_ACCEPT", request.param)
     return request.param
@@ -63,9 +66,12 @@ def _targets(rng, tree, mode: str) -> np.ndarray:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bs,L,K,budget", [(1, 1, 1, 1), (4, 3, 2, 5), (12, 15, 8, 64),
-                                           (3, 32, 4, 300), (2, 15, 1024, 1024)])
+                                           (3, 32, 4, 300), (2, 15, 64, 1023),
+                                           (2, 15, 1024, 1024)])
 @pytest.mark.parametrize("mode", ["path", "reject", "random"])
-def test_accept_matches_reference(device, bs, L, K, budget, mode):
+def test_accept_matches_reference(device, bs, L, K, budget, mode, accept_algo, monkeypatch):
+    if accept_algo == "parallel":  # built trees are well formed: no fallback to the walk
+        monkeypatch.setenv("KDT_TREE_ACCEPT", "parallel-strict")
     seed = secrets.randbits(32)
     rng = np.random.default_rng(seed)
     args = random_build_inputs(rng, bs, L, K, ties=True)
@@ -100,9 +106,12 @@ def _malformed(rng, n: int, bs: int) -> tuple[Links, np.ndarray]:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_accept_regular_trees_with_duplicates(device):
-    # Well-formed trees (the table path proper) with a few distinct tokens: accepts, stops and
-    # duplicate matches (status 3) at every depth; num_nodes below n on some.
+def test_accept_regular_trees_with_duplicates(device, accept_algo, monkeypatch):
+    # Well-formed trees (the parallel path proper) with a few distinct tokens: accepts, stops and
+    # duplicate matches (status 3) at every depth; num_nodes below n on some. The parallel
+    # algorithm must not fall back to the walk on them.
+    if accept_algo == "parallel":
+        monkeypatch.setenv("KDT_TREE_ACCEPT", "parallel-strict")
     seed = secrets.randbits(32)
     rng = np.random.default_rng(seed)
     seen = set()

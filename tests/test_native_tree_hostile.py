@@ -1,5 +1,5 @@
 """engine.native.tree against hostile arguments: a malformed tree is a status per request (as in
-the reference and the C ABI), never an exception; seq_lens whose positions would overflow int64
+the reference and the C ABI, under every KDT_TREE_ACCEPT algorithm), never an exception; seq_lens whose positions would overflow int64
 are refused by name; array-likes that are not arrays are a TypeError naming the argument."""
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ def _tree(rng, bs=3, L=4, K=3, budget=9):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("algo", ["walk", "parallel"])
 @pytest.mark.parametrize("count", [0, -3, "n+1", 2**31 - 1, -(2**31)])
-def test_num_nodes_outside_the_tree_is_status_1_per_request(device, count, rng):
+def test_num_nodes_outside_the_tree_is_status_1_per_request(device, algo, count, rng, monkeypatch):
+    monkeypatch.setenv("KDT_TREE_ACCEPT", algo)
     t = _tree(rng)
     bs, n = t.tokens.shape
     nn = t.num_nodes.astype(np.int32).copy()
@@ -47,7 +49,9 @@ def test_num_nodes_outside_the_tree_is_status_1_per_request(device, count, rng):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_links_far_outside_int32_are_a_status(device, rng):
+@pytest.mark.parametrize("algo", ["walk", "parallel"])
+def test_links_far_outside_int32_are_a_status(device, algo, rng, monkeypatch):
+    monkeypatch.setenv("KDT_TREE_ACCEPT", algo)
     t = _tree(rng)
     fc, ns = t.first_child.copy(), t.next_sibling.copy()
     fc[0, 0], ns[1, 1], fc[2, 0] = INT64_MAX, -INT64_MAX, 2**32 + 1

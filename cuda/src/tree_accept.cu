@@ -1,17 +1,19 @@
-// tree_accept.cu: CUDA backend of kdt_tree_accept. One warp (one block) per request: the lanes
-// copy the request's tokens, target argmaxes and links into shared memory (coalesced, links
-// narrowed to int32 by tree::link_narrow) and clear its accept_index row; then lane 0 runs the
-// bounded walk of tree_accept_core.h (the same code as the CPU backend) on the shared copy, so
-// each link followed costs a shared-memory load instead of a dependent global load. Status codes
-// and bounds are exactly the CPU backend's (larger trees: the global walk below). No host synchronisation: safe under graph capture.
+// tree_accept.cu: CUDA backend of kdt_tree_accept. No host synchronisation: safe under graph
+// capture. Status codes and bounds are exactly the CPU backend's on every input.
 //
-// KDT_TREE_ACCEPT (read per call): "walk" (the default) is the kernel above for every n;
-// "table" runs the match-table phases of tree_accept_table.h on the warp (parents by pointer
-// jumping, no sibling-list scan; an irregular tree takes lane 0's reference walk in the same
-// launch) for n <= kMaxTableN. The walk is the default because the H200 measured it as fast or
-// faster (kernel alone, dev run 2026-12-01: bs 64 B 255 walk 8.5 us vs table 9.6 us, B 1023
-// 11.9 vs 30.3 us; B 15 / 63 within 1 us of each other): the table's phases cost more than the
-// walk's few shared-memory loads.
+// KDT_TREE_ACCEPT (read per call):
+//   "parallel" (the default; anything but "walk"): for n <= tree::apar::kMaxN, one block per
+//     request and one thread per node runs the phases of tree_accept_parallel.h: each thread
+//     loads its node's four values at once (one round of global loads per request), the links
+//     are scattered into per-node owners, pointer jumping finds every node's parent, each node
+//     matching its parent's target claims its parent's match slot, and thread 0 follows the
+//     single matches from the root. A request with a malformed tree (an out-of-range or self
+//     link, a node with two incoming links, num_nodes outside [1, n]) runs the reference walk
+//     of tree_accept_core.h on the global arrays in the same launch. "parallel-strict" (tests)
+//     writes status -1 there instead, so that a test proves the parallel path ran.
+//   "walk": one warp per request copies the request into shared memory (links narrowed to
+//     int32 by tree::link_narrow) and lane 0 runs the reference walk there; also the kernel for
+//     n > kMaxN (n > kMaxSharedN: the walk on the global arrays).
 #include <cuda_runtime.h>
 
 #include <cstdlib>
@@ -19,64 +21,54 @@
 
 #include "common.h"
 #include "tree_accept_core.h"
-#include "tree_accept_table.h"
+#include "tree_accept_parallel.h"
 #include "tree_kernels.h"
 
 namespace kdt {
 namespace {
 
-constexpr unsigned kFull = 0xFFFFFFFFu;
-
-// Shared memory of the table kernel: tokens and targets (8 bytes), links and five int32 tables
-// (4 bytes each) = 44 n bytes; n <= kMaxTableN keeps it under the 48 KB that needs no opt-in.
-constexpr int kMaxTableN = 1100;
-
-__global__ void __launch_bounds__(32) tree_accept_table_kernel(TreeAcceptArgs a) {
+template <bool kStrict>
+__global__ void __launch_bounds__(tree::apar::kMaxN) tree_accept_parallel_kernel(TreeAcceptArgs a) {
+  namespace ap = tree::apar;
   extern __shared__ int64_t sm[];
-  __shared__ int irregular;
-  const int lane = threadIdx.x;
+  const int i = threadIdx.x;
   const int n = a.n;
   const long long b = blockIdx.x;
   const size_t o = (size_t)b * n;
-  int64_t* tok = sm;
-  int64_t* want = sm + n;
-  int32_t* fc = reinterpret_cast<int32_t*>(sm + 2 * n);
-  int32_t* ns = fc + n;
-  int32_t* idx = a.accept_index + o;
-  for (int i = lane; i < n; i += 32) {
-    tok[i] = a.tokens[o + i];
-    want[i] = a.target_argmax[o + i];
-    fc[i] = tree::link_narrow(a.first_child[o + i], n);
-    ns[i] = tree::link_narrow(a.next_sibling[o + i], n);
-    idx[i] = -1;
-  }
-  const tree::acc::Table t{tok, want, fc, ns, ns + n, ns + 2 * n, ns + 3 * n, ns + 4 * n,
-                           ns + 5 * n, &irregular, n, a.num_nodes ? a.num_nodes[b] : n};
-  tree::acc::phase_clear(t, lane);
-  __syncwarp();
-  tree::acc::phase_scatter(t, lane);
-  __syncwarp();
+  const int nn = a.num_nodes ? __ldg(a.num_nodes + b) : n;
+  const ap::Request q{a.tokens + o, a.first_child + o, a.next_sibling + o, a.target_argmax + o,
+                      a.accept_index + o, n, nn};
+  const ap::Shared s = ap::shared_at(sm, n);
+  ap::Node v = ap::phase_load(q, s, i);
+  __syncthreads();
+  ap::phase_scatter(q, s, v, i);
+  bool irregular = __syncthreads_or(v.bad);
   if (!irregular) {
-    const int rounds = tree::acc::jump_rounds(n);
-    for (int r = 0; r < rounds; ++r) {
-      const bool ch = tree::acc::phase_jump(t, lane);
-      __syncwarp();
-      if (!__any_sync(kFull, ch)) break;
+    while (!ap::parent_step(s, v, i, n)) {
     }
-    if (!irregular) tree::acc::phase_match(t, lane);
-    __syncwarp();
+    ap::match(s, v, i);
+    irregular = __syncthreads_or(v.bad);
   }
-  if (lane != 0) return;
-  const tree::AcceptResult r = tree::acc::phase_walk(t, idx);
+  if (i != 0) return;
+  tree::AcceptResult r;
+  if (!irregular) r = ap::phase_walk(s, n, q.accept_index);
+  else if (kStrict) r = tree::AcceptResult{1, -1, 0};
+  else r = ap::fallback(q);
   a.accept_len[b] = r.len;
   a.bonus[b] = r.bonus;
   a.status[b] = r.status;
 }
 
-bool table_from_env() {
+enum class Algo { kParallel, kStrict, kWalk };
+
+Algo algo_from_env() {
   const char* v = std::getenv("KDT_TREE_ACCEPT");
-  return v && std::strcmp(v, "table") == 0;
+  if (v && std::strcmp(v, "walk") == 0) return Algo::kWalk;
+  if (v && std::strcmp(v, "parallel-strict") == 0) return Algo::kStrict;
+  return Algo::kParallel;
 }
+
+constexpr int kCopyUnroll = 8;
 
 __global__ void __launch_bounds__(32) tree_accept_kernel(TreeAcceptArgs a) {
   extern __shared__ int64_t sm[];
@@ -89,16 +81,34 @@ __global__ void __launch_bounds__(32) tree_accept_kernel(TreeAcceptArgs a) {
   int32_t* fc = reinterpret_cast<int32_t*>(sm + 2 * n);
   int32_t* ns = fc + n;
   int32_t* idx = a.accept_index + o;
-  for (int i = lane; i < n; i += 32) {
-    tok[i] = a.tokens[o + i];
-    want[i] = a.target_argmax[o + i];
-    fc[i] = tree::link_narrow(a.first_child[o + i], n);
-    ns[i] = tree::link_narrow(a.next_sibling[o + i], n);
-    idx[i] = -1;
+  const int nn = a.num_nodes ? __ldg(a.num_nodes + b) : n;
+  // kCopyUnroll entries per lane in flight: every load of a group before any of its stores.
+  for (int base = lane; base < n; base += 32 * kCopyUnroll) {
+    int64_t t[kCopyUnroll], w[kCopyUnroll], f[kCopyUnroll], x[kCopyUnroll];
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int i = base + 32 * u;
+      if (i < n) {
+        t[u] = __ldg(a.tokens + o + i);
+        w[u] = __ldg(a.target_argmax + o + i);
+        f[u] = __ldg(a.first_child + o + i);
+        x[u] = __ldg(a.next_sibling + o + i);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int i = base + 32 * u;
+      if (i < n) {
+        tok[i] = t[u];
+        want[i] = w[u];
+        fc[i] = tree::link_narrow(f[u], n);
+        ns[i] = tree::link_narrow(x[u], n);
+        idx[i] = -1;
+      }
+    }
   }
   __syncwarp();
   if (lane != 0) return;
-  const int nn = a.num_nodes ? a.num_nodes[b] : n;
   const tree::AcceptResult r = tree::accept_one(n, nn, tok, fc, ns, want, idx);
   a.accept_len[b] = r.len;
   a.bonus[b] = r.bonus;
@@ -130,8 +140,12 @@ __global__ void __launch_bounds__(32) tree_accept_global_kernel(TreeAcceptArgs a
 kdt_status tree_accept_cuda(const TreeAcceptArgs& a, void* stream) {
   static const char* fn = "kdt_tree_accept";
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  if (a.n <= kMaxTableN && table_from_env()) {
-    tree_accept_table_kernel<<<a.bs, 32, (size_t)a.n * 44, st>>>(a);
+  const Algo algo = algo_from_env();
+  if (algo != Algo::kWalk && a.n <= tree::apar::kMaxN) {
+    const int threads = tree::apar::threads_for(a.n);
+    const size_t bytes = tree::apar::shared_bytes(a.n);
+    if (algo == Algo::kStrict) tree_accept_parallel_kernel<true><<<a.bs, threads, bytes, st>>>(a);
+    else tree_accept_parallel_kernel<false><<<a.bs, threads, bytes, st>>>(a);
     KDT_CUDA_CHECK(cudaGetLastError(), fn);
     return KDT_OK;
   }

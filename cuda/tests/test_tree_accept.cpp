@@ -1,7 +1,11 @@
 // test_tree_accept: kdt_tree_accept against the reference's KDTR bundles (bit-exact, CPU and,
 // when a GPU is present, CUDA), hand-made malformed trees (each defect, never a hang), argument
-// validation, and random malformed trees CPU vs CUDA.
+// validation, and random malformed trees CPU vs CUDA. Every case runs every algorithm
+// (KDT_TREE_ACCEPT walk and parallel, on both backends; the CPU reference of the random cases is
+// the walk).
 //   test_tree_accept --bundles DIR [--seed S]
+#include <cstdlib>
+
 #include "_tree_io.hpp"
 
 using namespace kdt_test;
@@ -80,6 +84,35 @@ AcceptIn random_malformed(std::mt19937_64& rng, int bs, int n) {
   return in;
 }
 
+const char* const kAlgos[] = {"walk", "parallel"};
+
+// fn() under each KDT_TREE_ACCEPT algorithm; the first failure, prefixed with its algorithm.
+template <class F>
+std::string for_each_algo(F fn) {
+  std::string err;
+  for (const char* algo : kAlgos) {
+    setenv("KDT_TREE_ACCEPT", algo, 1);
+    err = fn();
+    if (!err.empty()) { err = std::string("KDT_TREE_ACCEPT=") + algo + ": " + err; break; }
+  }
+  unsetenv("KDT_TREE_ACCEPT");
+  return err;
+}
+
+// Both backends' outputs for `in`: the CPU walk (the reference) and CUDA under the current
+// KDT_TREE_ACCEPT.
+std::string cpu_walk_vs_cuda(const AcceptIn& in, AcceptOut* a) {
+  AcceptOut b;
+  const char* cur = std::getenv("KDT_TREE_ACCEPT");
+  const std::string algo = cur ? cur : "";
+  setenv("KDT_TREE_ACCEPT", "walk", 1);
+  kdt_status s = accept_cpu(in, a);
+  setenv("KDT_TREE_ACCEPT", algo.c_str(), 1);
+  if (s) return status_message(s, "kdt_tree_accept(cpu)");
+  if ((s = accept_cuda(in, &b))) return status_message(s, "kdt_tree_accept(cuda)");
+  return same_accept(b, *a);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -87,15 +120,19 @@ int main(int argc, char** argv) {
   const std::string no_cuda = cuda_unavailable();
 
   h.run("handmade_defects/cpu", [] {
-    AcceptOut o;
-    if (kdt_status s = accept_cpu(handmade(), &o)) return status_message(s, "kdt_tree_accept(cpu)");
-    return check_handmade(o);
+    return for_each_algo([] {
+      AcceptOut o;
+      if (kdt_status s = accept_cpu(handmade(), &o)) return status_message(s, "kdt_tree_accept(cpu)");
+      return check_handmade(o);
+    });
   });
   if (no_cuda.empty())
     h.run("handmade_defects/cuda", [] {
-      AcceptOut o;
-      if (kdt_status s = accept_cuda(handmade(), &o)) return status_message(s, "kdt_tree_accept(cuda)");
-      return check_handmade(o);
+      return for_each_algo([] {
+        AcceptOut o;
+        if (kdt_status s = accept_cuda(handmade(), &o)) return status_message(s, "kdt_tree_accept(cuda)");
+        return check_handmade(o);
+      });
     });
   else
     h.skip("handmade_defects/cuda", no_cuda);
@@ -123,16 +160,20 @@ int main(int argc, char** argv) {
     const std::string err = load_bundle(path, &in, &ref);
     h.run("bundle/" + stem(path) + "/cpu", [&] {
       if (!err.empty()) return err;
-      AcceptOut out;
-      if (kdt_status s = accept_cpu(in, &out)) return status_message(s, "kdt_tree_accept(cpu)");
-      return same_accept(out, ref);
+      return for_each_algo([&] {
+        AcceptOut out;
+        if (kdt_status s = accept_cpu(in, &out)) return status_message(s, "kdt_tree_accept(cpu)");
+        return same_accept(out, ref);
+      });
     });
     if (!no_cuda.empty()) { h.skip("bundle/" + stem(path) + "/cuda", no_cuda); continue; }
     h.run("bundle/" + stem(path) + "/cuda", [&] {
       if (!err.empty()) return err;
-      AcceptOut out;
-      if (kdt_status s = accept_cuda(in, &out)) return status_message(s, "kdt_tree_accept(cuda)");
-      return same_accept(out, ref);
+      return for_each_algo([&] {
+        AcceptOut out;
+        if (kdt_status s = accept_cuda(in, &out)) return status_message(s, "kdt_tree_accept(cuda)");
+        return same_accept(out, ref);
+      });
     });
   }
 
@@ -141,40 +182,42 @@ int main(int argc, char** argv) {
     h.skip("random_malformed_cpu_vs_cuda", no_cuda);
   } else {
     h.run("random_malformed_cpu_vs_cuda", [&] {
-      int seen[4] = {0, 0, 0, 0};
-      for (int trial = 0; trial < 200; ++trial) {
-        const AcceptIn in = random_malformed(rng, 1 + (int)(rng() % 9), 1 + (int)(rng() % 70));
-        AcceptOut a, b;
-        if (kdt_status s = accept_cpu(in, &a)) return status_message(s, "kdt_tree_accept(cpu)");
-        if (kdt_status s = accept_cuda(in, &b)) return status_message(s, "kdt_tree_accept(cuda)");
-        const std::string e = same_accept(b, a);
-        if (!e.empty()) return "trial " + std::to_string(trial) + ": " + e;
-        for (int st : a.status) seen[st & 3]++;
-      }
-      for (int k = 0; k < 4; ++k)
-        if (!seen[k]) return "status " + std::to_string(k) + " never occurred: the generator is too weak";
-      return std::string();
+      return for_each_algo([&] {
+        int seen[4] = {0, 0, 0, 0};
+        for (int trial = 0; trial < 200; ++trial) {
+          const AcceptIn in = random_malformed(rng, 1 + (int)(rng() % 9), 1 + (int)(rng() % 70));
+          AcceptOut a;
+          const std::string e = cpu_walk_vs_cuda(in, &a);
+          if (!e.empty()) return "trial " + std::to_string(trial) + ": " + e;
+          for (int st : a.status) seen[st & 3]++;
+        }
+        for (int k = 0; k < 4; ++k)
+          if (!seen[k]) return "status " + std::to_string(k) + " never occurred: the generator is too weak";
+        return std::string();
+      });
     });
   }
   // The CPU walk on random malformed trees: it must end, keep accept_len in [1, n] and list
   // only in-range nodes (a crash or hang here is the failure this guards against).
   h.run("random_malformed_cpu_bounds", [&] {
-    for (int trial = 0; trial < 500; ++trial) {
-      const AcceptIn in = random_malformed(rng, 1 + (int)(rng() % 9), 1 + (int)(rng() % 70));
-      AcceptOut a;
-      if (kdt_status s = accept_cpu(in, &a)) return status_message(s, "kdt_tree_accept(cpu)");
-      for (int b = 0; b < in.bs; ++b) {
-        if (a.accept_len[b] < 1 || a.accept_len[b] > in.n)
-          return "trial " + std::to_string(trial) + ": accept_len " + std::to_string(a.accept_len[b]);
-        for (int i = 0; i < in.n; ++i) {
-          const int32_t v = a.accept_index[(size_t)b * in.n + i];
-          if ((i < a.accept_len[b]) != (v >= 0) || v >= in.n)
-            return "trial " + std::to_string(trial) + ": accept_index[" + std::to_string(b) + "][" +
-                   std::to_string(i) + "] = " + std::to_string(v);
+    return for_each_algo([&] {
+      for (int trial = 0; trial < 500; ++trial) {
+        const AcceptIn in = random_malformed(rng, 1 + (int)(rng() % 9), 1 + (int)(rng() % 70));
+        AcceptOut a;
+        if (kdt_status s = accept_cpu(in, &a)) return status_message(s, "kdt_tree_accept(cpu)");
+        for (int b = 0; b < in.bs; ++b) {
+          if (a.accept_len[b] < 1 || a.accept_len[b] > in.n)
+            return "trial " + std::to_string(trial) + ": accept_len " + std::to_string(a.accept_len[b]);
+          for (int i = 0; i < in.n; ++i) {
+            const int32_t v = a.accept_index[(size_t)b * in.n + i];
+            if ((i < a.accept_len[b]) != (v >= 0) || v >= in.n)
+              return "trial " + std::to_string(trial) + ": accept_index[" + std::to_string(b) + "][" +
+                     std::to_string(i) + "] = " + std::to_string(v);
+          }
         }
       }
-    }
-    return std::string();
+      return std::string();
+    });
   });
   return h.finish();
 }
