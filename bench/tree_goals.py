@@ -2,8 +2,8 @@
 each case validated against the reference, then timed as the kernel alone (a CUDA graph of 20
 calls / 20) and as one call between events; the native CPU backend beside it. Prints one line per
 case and PASS / FAIL per goal; exits 1 on a wrong tree or a missed goal. Builds: KDT_TREE_BUILD
-auto (the default, which the goals judge), parallel, warp, and serial (budgets <= 255); accepts: KDT_TREE_ACCEPT walk (the default,
-judged) and table.
+auto (the default, which the goals judge), parallel, warp, and serial (budgets <= 255); accepts: KDT_TREE_ACCEPT parallel (the CUDA
+default, judged) and walk.
 
     KDTREE_LIB=build/h200/libkdtree.so python3 -m bench.tree_goals
 """
@@ -71,8 +71,8 @@ def main() -> int:
             print(f"build  cpu      bs {bs:3d} budget {budget:4d}: {cpu:8.1f} us", flush=True)
             tree = ref
             target = accept_target(rng, tree)
-            # KDT_TREE_ACCEPT: "walk" (the default) and "table"
-            for acc in ("walk", "table"):
+            # KDT_TREE_ACCEPT: "parallel" (the default on CUDA) and "walk"
+            for acc in ("parallel", "walk"):
                 with side_stream("cuda"), env("KDT_TREE_ACCEPT", acc):
                     a = prepare_tree_accept(lib, "cuda", tree, target)
                     a.run()
@@ -95,7 +95,7 @@ def main() -> int:
         ("build CUDA (alone) faster than the CPU backend at every case",
          all(us.get(("build", "auto", bs, b), 1e9) < us.get(("cpu", bs, b), 0)
              for bs in (1, 4, 64) for b in (15, 63, 255, 1023))),
-        ("accept bs 64 budget 255 <= 4 us", us.get(("accept", "walk", 64, 255), 1e9) <= 4),
+        ("accept bs 64 budget 255 <= 4 us", us.get(("accept", "parallel", 64, 255), 1e9) <= 4),
     ]
     for e in bad:
         print(f"FAIL validation: {e}")

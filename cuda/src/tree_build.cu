@@ -272,7 +272,7 @@ struct GpuBlock {
 size_t par_smem_bytes(int budget, int L) {
   const size_t n = (size_t)budget + 1, cap = (size_t)tree::par::pool_capacity(budget);
   return n * 8 + (size_t)(L + 1) * 8 + cap * 4 * 8 + n * 4 + cap * 2 * 4 +
-         (size_t)(cap + tree::par::kBins + 34) * 4 + cap * 2 * 2 + n * 2 * 2;
+         (size_t)(cap + tree::par::kBins + 34) * 4 + cap * 3 * 2 + n * 2 * 2;
 }
 
 // The request's log-probs are staged in shared memory (after the arrays above) when they take
@@ -292,7 +292,7 @@ __global__ void tree_build_parallel_kernel(TreeBuildArgs a) {
   __shared__ int used;
   // Layout: node scores [n], chain [L + 1], pool scores 2 x [cap], pool keys 2 x [cap] (8
   // bytes); node cands [n], pool cands 2 x [cap], cnt [cap], hist [kBins], wsum [34] (4 bytes);
-  // idx [cap], inv [cap], first_child [n], next_sibling [n] (2 bytes); staged log-probs.
+  // srt, order, inv [cap], first_child [n], next_sibling [n] (2 bytes); staged log-probs.
   double* node_score = smem;
   double* chain = node_score + n;
   double* pool = chain + a.L + 1;
@@ -302,23 +302,19 @@ __global__ void tree_build_parallel_kernel(TreeBuildArgs a) {
   int* cnt = reinterpret_cast<int*>(cands + 2 * cap);
   int* hist = cnt + cap;
   int* wsum = hist + tree::par::kBins;
-  uint16_t* idx = reinterpret_cast<uint16_t*>(wsum + 34);
-  int16_t* inv = reinterpret_cast<int16_t*>(idx + cap);
+  uint16_t* srt = reinterpret_cast<uint16_t*>(wsum + 34);
+  uint16_t* order = srt + cap;
+  int16_t* inv = reinterpret_cast<int16_t*>(order + cap);
   int16_t* first_child = inv + cap;
   int16_t* next_sibling = first_child + n;
   const size_t lk = (size_t)a.L * a.K;
   const float* lp = a.top_logp + b * lk;
   const int64_t* ids = a.top_ids + b * lk;
-  if (threadIdx.x == 0) {
-    S.score[0] = pool; S.score[1] = pool + cap;
-    S.key[0] = keys; S.key[1] = keys + cap;
-    S.cand[0] = cands; S.cand[1] = cands + cap;
-    S.cnt = cnt; S.idx = idx; S.inv = inv; S.hist = hist; S.chain = chain;
-    tree::Scratch ks{};
-    tree::set_key_layout(ks, a.L, a.K);
-    S.key_bits = ks.key_bits;
-    S.key_depth = ks.key_depth;
-  }
+  tree::Scratch ks{};
+  tree::set_key_layout(ks, a.L, a.K);
+  const tree::par::Arrays A{{pool, cands, keys}, {pool + cap, cands + cap, keys + cap},
+                            cnt, srt, order, inv, hist, chain, ks.key_bits, ks.key_depth};
+  if (threadIdx.x == 0) tree::par::init(S);
   if (stage_bytes(a.L, a.K)) {
     float* staged = reinterpret_cast<float*>(next_sibling + n);
     for (size_t i = threadIdx.x; i < lk; i += blockDim.x) staged[i] = __ldg(lp + i);
@@ -327,7 +323,7 @@ __global__ void tree_build_parallel_kernel(TreeBuildArgs a) {
   __syncthreads();
   const tree::par::Nodes nodes{node_score, node_cand, first_child, next_sibling};
   GpuBlock blk{wsum};
-  int u = tree::par::build(blk, S, nodes, lp, a.L, a.K, a.budget, cap);
+  int u = tree::par::build(blk, S, A, nodes, lp, a.L, a.K, a.budget, cap);
   if (u < 0) {
     // The serial selection (warp variant) over the pool's memory: its frontier and keys (20 n
     // bytes) fit in the pool's 40 cap.

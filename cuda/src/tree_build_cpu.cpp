@@ -95,27 +95,20 @@ struct ParallelScratch {
   std::vector<uint32_t> cand0, cand1;
   std::vector<uint64_t> key0, key1;
   std::vector<int> cnt, hist;
-  std::vector<uint16_t> idx;
+  std::vector<uint16_t> srt, order;
   std::vector<int16_t> inv;
+  tree::par::Arrays A;
   tree::par::Shared S;
 
   ParallelScratch(int budget, int L, int K, int threads)
       : cap(tree::par::pool_capacity(budget)), T(threads), score0(cap), score1(cap),
         chain(L + 1), cand0(cap), cand1(cap), key0(cap), key1(cap), cnt(cap),
-        hist(tree::par::kBins), idx(cap), inv(cap) {
-    S = tree::par::Shared{};
-    S.score[0] = score0.data(); S.score[1] = score1.data();
-    S.cand[0] = cand0.data(); S.cand[1] = cand1.data();
-    S.key[0] = key0.data(); S.key[1] = key1.data();
-    S.cnt = cnt.data();
-    S.idx = idx.data();
-    S.inv = inv.data();
-    S.hist = hist.data();
-    S.chain = chain.data();
+        hist(tree::par::kBins), srt(cap), order(cap), inv(cap) {
     tree::Scratch ks{};
     tree::set_key_layout(ks, L, K);
-    S.key_bits = ks.key_bits;
-    S.key_depth = ks.key_depth;
+    A = tree::par::Arrays{{score0.data(), cand0.data(), key0.data()},
+                          {score1.data(), cand1.data(), key1.data()}, cnt.data(), srt.data(), order.data(),
+                          inv.data(), hist.data(), chain.data(), ks.key_bits, ks.key_depth};
   }
 };
 
@@ -156,7 +149,8 @@ kdt_status tree_build_cpu(const TreeBuildArgs& a) {
                              next_sibling.data()});
     } else if (algo != Algo::kSerial) {
       CpuBlock blk{ps[0].T};
-      used = tree::par::build(blk, ps[0].S, nodes, lp, a.L, a.K, a.budget, ps[0].cap);
+      tree::par::init(ps[0].S);
+      used = tree::par::build(blk, ps[0].S, ps[0].A, nodes, lp, a.L, a.K, a.budget, ps[0].cap);
       if (used < 0 && algo == Algo::kStrict)
         return set_error(KDT_ERR_INTERNAL, fn,
                          "request %d: the parallel build declined it (%s); "

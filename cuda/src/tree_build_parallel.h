@@ -97,6 +97,13 @@ KDT_HD void atomic_max_int(int* p, int v) {
   if (v > *p) *p = v;
 #endif
 }
+KDT_HD void atomic_or(int* p, int v) {
+#if defined(__CUDA_ARCH__)
+  atomicOr(p, v);
+#else
+  *p |= v;
+#endif
+}
 KDT_HD void atomic_min_u64(unsigned long long* p, unsigned long long v) {
 #if defined(__CUDA_ARCH__)
   atomicMin(p, v);
@@ -107,27 +114,46 @@ KDT_HD void atomic_min_u64(unsigned long long* p, unsigned long long v) {
 
 enum : int { kAnomaly = 1, kInexact = 2, kOverflow = 4 };
 
-// Shared state of one CTA. Pool arrays have `cap` entries, two copies (compaction writes the
-// other one); entry 0 is the root.
+// The CTA's shared scalars (written inside phases, by one thread or atomically; read after a
+// barrier and never modified before the next barrier).
 struct Shared {
-  double* score[2];
-  uint32_t* cand[2];  // tree::pack(pool parent, rank, depth); the root: 0
-  uint64_t* key[2];   // rank-path prefix keys (tree::Scratch's layout)
-  int* cnt;           // [cap] run lengths, then their offsets (scan); compaction positions
-  uint16_t* idx;      // [cap] kept entries, then (sorted) the node order
+  int alloc;                // pool entries allocated
+  int flags;                // kAnomaly | kInexact | kOverflow
+  int emin, emax;           // lowest set bit / top bit exponents of the log-probs
+  unsigned long long fmin;  // ordered minimum of the first threshold's family
+  unsigned long long pmin;  // ordered minimum of the pool's scores (before t exists)
+};
+
+// One copy of the pool (compaction writes the other one).
+struct Pool {
+  double* score;
+  uint32_t* cand;  // tree::pack(pool parent, rank, depth); the root: 0
+  uint64_t* key;   // rank-path prefix keys (tree::Scratch's layout)
+};
+
+// The CTA's arrays in shared memory (the pointers themselves are per thread: registers; no
+// pointer array is indexed at run time, which would put them in local memory).
+struct Arrays {
+  Pool p0, p1;
+  KDT_HD Pool pool(int c) const { return c ? p1 : p0; }
+  int* cnt;           // [cap] compaction positions; per kept entry its bucket << 16 | slot
+  uint16_t* srt;      // [cap] kept entries, bucket by bucket
+  uint16_t* order;    // [cap] the entry of node r + 1
   int16_t* inv;       // [cap] node index of a pool entry (0: not selected)
   int* hist;          // [kBins]
   double* chain;      // [L + 1] prefix sums of the rows' first log-probs
-  // scalars (written by one thread inside a phase)
-  int cur, pool_n, lvl_b, flags, kept;
-  int emin, emax;               // lowest set bit / top bit exponents of the log-probs
-  unsigned long long fmin;      // ordered minimum of the first threshold's family
-  unsigned long long pmin;      // ordered minimum of the pool's scores (before t exists)
-  unsigned long long rmin;      // ordered minimum of a level's run tails
-  double t;                     // the lower bound on the B-th best score
-  int has_t;
   int key_bits, key_depth;
 };
+
+// Before each request: the scalars' starting values.
+KDT_HD void init(Shared& S) {
+  S.alloc = 1;
+  S.flags = 0;
+  S.emin = 1 << 30;
+  S.emax = -(1 << 30);
+  S.fmin = ~0ull;
+  S.pmin = ~0ull;
+}
 
 // Result arrays (node order), shared with the serial fallback.
 struct Nodes {
@@ -137,41 +163,49 @@ struct Nodes {
   int16_t* next_sibling;
 };
 
-KDT_HD uint64_t child_key(const Shared& S, uint64_t parent_key, int rank, int depth) {
-  return depth <= S.key_depth ? parent_key | ((uint64_t)rank << (64 - S.key_bits * depth))
+KDT_HD uint64_t child_key(const Arrays& A, uint64_t parent_key, int rank, int depth) {
+  return depth <= A.key_depth ? parent_key | ((uint64_t)rank << (64 - A.key_bits * depth))
                               : parent_key;
 }
 
 // Pool entry a precedes b: score descending, then rank path ascending.
-KDT_HD bool before(const Shared& S, int a, int b) {
-  const int c = S.cur;
-  const double sa = S.score[c][a], sb = S.score[c][b];
+KDT_HD bool before(const Pool& P, int key_depth, int a, int b) {
+  const double sa = P.score[a], sb = P.score[b];
   if (sa != sb) return sa > sb;
-  const uint64_t ka = S.key[c][a], kb = S.key[c][b];
+  const uint64_t ka = P.key[a], kb = P.key[b];
   if (ka != kb) return ka < kb;
-  const uint32_t ca = S.cand[c][a], cb = S.cand[c][b];
+  const uint32_t ca = P.cand[a], cb = P.cand[b];
   const int da = cand_depth(ca), db = cand_depth(cb);
-  if (da <= S.key_depth && db <= S.key_depth) return da < db;
-  return compare_paths(ca, cb, S.cand[c]) < 0;
+  if (da <= key_depth && db <= key_depth) return da < db;
+  return compare_paths(ca, cb, P.cand) < 0;
 }
 
-// Histogram bin edges lo + w * b in float64, never contracted into an fma, so that the edge a
-// threshold takes is the edge the binning used.
-KDT_HD double edge(double lo, double w, int b) {
+// Histogram bins over [lo, lo + kBins w): edges lo + w b in float64, never contracted into an
+// fma, so that the edge a threshold takes is the edge the binning used.
+struct Bins {
+  double lo, w, iw;
+  KDT_HD double edge(int b) const {
 #if defined(__CUDA_ARCH__)
-  return __dadd_rn(lo, __dmul_rn(w, (double)b));
+    return __dadd_rn(lo, __dmul_rn(w, (double)b));
 #else
-  volatile double m = w * (double)b;
-  return lo + m;
+    volatile double m = w * (double)b;
+    return lo + m;
 #endif
-}
-// The bin of s >= lo: the largest b < kBins with edge(b) <= s.
-KDT_HD int bin_of(double s, double lo, double w) {
-  const double f = (s - lo) / w;
-  int b = f >= (double)(kBins - 1) ? kBins - 1 : (f > 0.0 ? (int)f : 0);
-  while (b > 0 && s < edge(lo, w, b)) --b;
-  while (b + 1 < kBins && s >= edge(lo, w, b + 1)) ++b;
-  return b;
+  }
+  // The bin of s >= lo: the largest b < kBins with edge(b) <= s.
+  KDT_HD int of(double s) const {
+    const double f = (s - lo) * iw;
+    int b = f >= (double)(kBins - 1) ? kBins - 1 : (f > 0.0 ? (int)f : 0);
+    while (b > 0 && s < edge(b)) --b;
+    while (b + 1 < kBins && s >= edge(b + 1)) ++b;
+    return b;
+  }
+};
+KDT_HD bool make_bins(double lo, double hi, Bins& B) {
+  B.lo = lo;
+  B.w = (hi - lo) / kBins;
+  B.iw = 1.0 / B.w;
+  return hi > lo && B.w > 0.0 && B.iw < 1e300;
 }
 
 // Lowest-set-bit and top-bit exponents of a finite nonzero float: |x| = m 2^lsb with m odd,
@@ -209,75 +243,46 @@ KDT_HD double zero_score(const float* row, double parent, int r, int d) {
   return z;
 }
 
-// Raises S.t to the lower edge of the highest bin j whose suffix (bins >= j) holds >= need of the
-// scores that visit(t, f) passes to f, over [lo, hi]: a valid lower bound on the need-th best
-// of them. Returns that suffix count (0: t unchanged).
-template <class Block, class Visit>
-KDT_HD int refine(Block& blk, Shared& S, double lo, double hi, int need, Visit visit) {
-  if (!(hi > lo)) return 0;
-  const double w = (hi - lo) / kBins;
-  if (!(w > 0.0)) return 0;
-  blk.run([&](int t) {
-    for (int b = t; b < kBins; b += blk.threads()) S.hist[b] = 0;
-  });
-  blk.run([&](int t) { visit(t, [&](double s) { atomic_add(&S.hist[bin_of(s, lo, w)], 1); }); });
-  int got = 0;
-  const int j = blk.suffix_pick(S.hist, kBins, need, &got);
-  if (j < 0) return 0;
-  const double nt = edge(lo, w, j);
-  blk.run([&](int t) {
-    if (t == 0 && (!S.has_t || nt > S.t)) { S.t = nt; S.has_t = 1; }
-  });
-  return got;
-}
+// The threshold t (uniform: every thread holds it) and whether it exists yet.
+struct Bound {
+  double t;
+  bool has;
+};
 
-// Stable compaction of the pool to the root and the entries >= t (parents remapped); the level
-// [lvl_b, pool_n) stays the last range.
-template <class Block>
-KDT_HD void compact(Block& blk, Shared& S) {
-  const int n = S.pool_n, c = S.cur;
-  const bool all = !S.has_t;
+// Bins the scores >= lo that visit(t, f) passes to f (hist must be zero), then raises the bound
+// to the lower edge of the highest bin j whose suffix (bins >= j) holds >= need of them: a valid
+// lower bound on the need-th best. Returns that suffix count (0: no change). hist is left dirty.
+template <class Block, class Visit>
+KDT_HD int refine(Block& blk, const Arrays& A, Bound& bd, double lo, double hi, int need,
+                  Visit visit) {
+  Bins bins;
+  if (!make_bins(lo, hi, bins)) return 0;
   blk.run([&](int t) {
-    for (int e = t; e < n; e += blk.threads()) S.cnt[e] = (e == 0 || all || S.score[c][e] >= S.t);
+    visit(t, [&](double s) {
+      if (s >= lo) atomic_add(&A.hist[bins.of(s)], 1);
+    });
   });
-  const int total = blk.scan(S.cnt, n);
-  blk.run([&](int t) {
-    for (int e = t; e < n; e += blk.threads()) {
-      if (!(e == 0 || all || S.score[c][e] >= S.t)) continue;
-      const int ne = S.cnt[e];
-      const uint32_t cd = S.cand[c][e];
-      S.score[c ^ 1][ne] = S.score[c][e];
-      S.key[c ^ 1][ne] = S.key[c][e];
-      S.cand[c ^ 1][ne] = e == 0 ? 0u : pack(S.cnt[cand_parent(cd)], cand_rank(cd), cand_depth(cd));
-    }
-  });
-  blk.run([&](int t) {
-    if (t != 0) return;
-    S.lvl_b = S.lvl_b < n ? S.cnt[S.lvl_b] : total;
-    S.pool_n = total;
-    S.cur = c ^ 1;
-  });
+  int got = 0;
+  const int j = blk.suffix_pick(A.hist, kBins, need, &got);
+  if (j < 0) return 0;
+  const double nt = bins.edge(j);
+  if (!bd.has || nt > bd.t) { bd.t = nt; bd.has = true; }
+  return got;
 }
 
 // Builds one request into N (node order; slot 0 the root); returns the slots used (root
 // included), or -1 when it declines the request (S.flags says why): the caller then runs the
-// serial build. lp is [L, K] (rows sorted descending).
+// serial build. lp is [L, K] (rows sorted descending). init(S) must have run.
 template <class Block>
-KDT_HD int build(Block& blk, Shared& S, const Nodes& N, const float* lp, int L, int K, int budget,
-                 int cap) {
+KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const float* lp, int L,
+                 int K, int budget, int cap) {
   const int T = blk.threads();
   const int kc = K < budget ? K : budget;  // ranks >= budget are never selected
   const int lk = L * K;
   // ---- 0. the exactness check, the chain sums, the first threshold ------------------------
   blk.run([&](int t) {
-    if (t != 0) return;
-    S.cur = 0; S.flags = 0; S.has_t = 0; S.t = 0.0;
-    S.emin = 1 << 30; S.emax = -(1 << 30);
-    S.score[0][0] = 0.0; S.cand[0][0] = 0; S.key[0][0] = 0;
-    S.pool_n = 1; S.lvl_b = 0; S.kept = 0;
-    S.pmin = ~0ull;
-  });
-  blk.run([&](int t) {
+    if (t == 0) { A.p0.score[0] = 0.0; A.p0.cand[0] = 0; A.p0.key[0] = 0; }
+    for (int i = t; i < kBins; i += T) A.hist[i] = 0;
     int emin = 1 << 30, emax = -(1 << 30), bad = 0;
     for (int i = t; i < lk; i += T) {
       const float x = lp[i];
@@ -293,7 +298,7 @@ KDT_HD int build(Block& blk, Shared& S, const Nodes& N, const float* lp, int L, 
         if (top > emax) emax = top;
       }
     }
-    if (bad) atomic_max_int(&S.flags, bad);  // (flags only grow; max of or-able bits is enough)
+    if (bad) atomic_or(&S.flags, bad);
     if (emin < (1 << 30)) atomic_min_int(&S.emin, emin);
     if (emax > -(1 << 30)) atomic_max_int(&S.emax, emax);
   });
@@ -303,183 +308,196 @@ KDT_HD int build(Block& blk, Shared& S, const Nodes& N, const float* lp, int L, 
     while ((1 << lg) < L + 2) ++lg;
     if (S.emin < (1 << 30) && S.emax + lg > S.emin + 53) S.flags |= kInexact;
     double c = 0.0;
-    S.chain[0] = 0.0;
+    A.chain[0] = 0.0;
     unsigned long long lo = ~0ull;
     for (int d = 0; d < L; ++d) {
       const uint64_t u = ordered(c + (double)lp[(size_t)d * K + kc - 1]);
       if (u < lo) lo = u;
       c += (double)lp[(size_t)d * K];
-      S.chain[d + 1] = c;
+      A.chain[d + 1] = c;
     }
     S.fmin = lo;
   });
   if (S.flags) return -1;
   const double top = (double)lp[0];  // the best score of all: depth 1, rank 0
+  Bound bd{0.0, false};
   if ((long long)L * kc >= budget) {
-    refine(blk, S, unordered(S.fmin), top, budget, [&](int t, auto f) {
+    refine(blk, A, bd, unordered(S.fmin), top, budget, [&](int t, auto f) {
       for (int i = t; i < L * kc; i += T) {
         const int d = i / kc, r = i - d * kc;
-        f(S.chain[d] + (double)lp[(size_t)d * K + r]);
+        f(A.chain[d] + (double)lp[(size_t)d * K + r]);
       }
     });
   }
-  // ---- 1, 2. level by level -----------------------------------------------------------------
-  int kept = 0;  // pool entries >= t but the root (an upper bound between refinements)
+  // ---- 1, 2. level by level: the parents are the entries [lb, le) -------------------------
+  int c = 0, lb = 0, le = 1, kept = 0;
   for (int d = 1; d <= L; ++d) {
     const float* row = lp + (size_t)(d - 1) * K;
-    int total = 0, m = 0;
+    int end = le;
     for (int attempt = 0;; ++attempt) {
-      const int lb = S.lvl_b;
-      m = S.pool_n - lb;
-      const int c = S.cur;
+      const int m = le - lb;
+      const Bound b = bd;
+      const Pool P = A.pool(c);
+      // Each kept parent's run: its length by binary search, its place by an atomic, then its
+      // entries (one parent: all threads share the run).
       blk.run([&](int t) {
-        if (t == 0) S.rmin = ~0ull;
-        for (int q = t; q < m; q += T) {
-          const double s = S.score[c][lb + q];
-          int n = 0;
-          if (!S.has_t) n = kc;
-          else if (s + (double)row[0] >= S.t) n = count_at_least(row, kc, s, S.t);
-          S.cnt[q] = n;
+        for (int i = t; i < kBins; i += T) A.hist[i] = 0;
+        if (m == 1) {
+          const double s = P.score[lb];
+          const int n = !b.has ? kc : (s + (double)row[0] >= b.t ? count_at_least(row, kc, s, b.t) : 0);
+          if (le + n > cap) { if (t == 0) atomic_or(&S.flags, kOverflow); return; }
+          if (t == 0) S.alloc = le + n;
+          for (int r = t; r < n; r += T) {
+            double sc = s + (double)row[r];
+            if (sc == 0.0) sc = zero_score(row, s, r, d);
+            const int e = le + r;
+            P.score[e] = sc;
+            P.cand[e] = pack((uint32_t)lb, (uint32_t)r, (uint32_t)d);
+            P.key[e] = child_key(A, P.key[lb], r, d);
+            if (!b.has) atomic_min_u64(&S.pmin, ordered(sc));
+          }
+          return;
+        }
+        for (int p = lb + t; p < le; p += T) {
+          const double s = P.score[p];
+          const int n = !b.has ? kc : (s + (double)row[0] >= b.t ? count_at_least(row, kc, s, b.t) : 0);
+          if (!n) continue;
+          const int base = atomic_add(&S.alloc, n);
+          if (base + n > cap) { atomic_or(&S.flags, kOverflow); continue; }
+          const uint64_t pk = P.key[p];
+          for (int r = 0; r < n; ++r) {
+            double sc = s + (double)row[r];
+            if (sc == 0.0) sc = zero_score(row, s, r, d);
+            const int e = base + r;
+            P.score[e] = sc;
+            P.cand[e] = pack((uint32_t)p, (uint32_t)r, (uint32_t)d);
+            P.key[e] = child_key(A, pk, r, d);
+            if (!b.has) atomic_min_u64(&S.pmin, ordered(sc));
+          }
         }
       });
-      total = blk.scan(S.cnt, m);
-      if (S.pool_n + total <= cap || attempt == 2) break;
+      end = S.alloc;
+      const int flags = S.flags;
+      blk.run([](int) {});  // every thread has read the scalars
+      if (!(flags & kOverflow)) break;
+      if (attempt == 2) return -1;  // S.flags says kOverflow
+      blk.run([&](int t) {
+        if (t == 0) { S.alloc = le; S.flags = 0; }
+      });
       if (attempt == 0) {
-        // Raise t over the kept pool and the runs (their scores: parent + row[r]).
-        // lo: t, or before t exists the lowest score of the pool and the runs. Scores below lo
-        // are not binned, so every binned score is >= lo whatever lo is.
-        if (!S.has_t) {
-          blk.run([&](int t) {
-            for (int q = t; q < m; q += T) {
-              const int n = (q + 1 < m ? S.cnt[q + 1] : total) - S.cnt[q];
-              if (n) atomic_min_u64(&S.rmin, ordered(S.score[c][lb + q] + (double)row[n - 1]));
-            }
-          });
-        }
-        const double lo = S.has_t ? S.t : unordered(S.pmin < S.rmin ? S.pmin : S.rmin);
-        const int pn = S.pool_n;
-        refine(blk, S, lo, top, budget, [&](int t, auto f) {
-          for (int e = 1 + t; e < pn; e += T)
-            if (S.score[c][e] >= lo) f(S.score[c][e]);
-          for (int k = t; k < total; k += T) {
-            int a = 0, b = m;  // the last run q with offset <= k
-            while (b - a > 1) { const int mid = (a + b) >> 1; if (S.cnt[mid] <= k) a = mid; else b = mid; }
-            const double s = S.score[c][lb + a] + (double)row[k - S.cnt[a]];
-            if (s >= lo) f(s);
+        // Raise t over the kept pool and the runs (scores below lo are not binned: lo is t, or
+        // before t exists the pool's lowest score).
+        if (!bd.has && S.pmin == ~0ull) continue;
+        const double lo = bd.has ? bd.t : unordered(S.pmin);
+        refine(blk, A, bd, lo, top, budget, [&](int t, auto f) {
+          for (int e = 1 + t; e < le; e += T) f(P.score[e]);
+          for (int p = lb + t; p < le; p += T) {
+            const double s = P.score[p];
+            if (s + (double)row[0] < lo) continue;
+            const int n = count_at_least(row, kc, s, lo);
+            for (int r = 0; r < n; ++r) f(s + (double)row[r]);
           }
         });
       } else {
-        compact(blk, S);
+        // Stable compaction to the root and the entries >= t (parents remapped).
+        const bool all = !bd.has;
+        const double tt = bd.t;
+        const Pool Q = A.pool(c ^ 1);
+        blk.run([&](int t) {
+          for (int e = t; e < le; e += T) A.cnt[e] = (e == 0 || all || P.score[e] >= tt);
+        });
+        const int total = blk.scan(A.cnt, le);
+        blk.run([&](int t) {
+          for (int e = t; e < le; e += T) {
+            if (!(e == 0 || all || P.score[e] >= tt)) continue;
+            const int ne = A.cnt[e];
+            const uint32_t cd = P.cand[e];
+            Q.score[ne] = P.score[e];
+            Q.key[ne] = P.key[e];
+            Q.cand[ne] =
+                e == 0 ? 0u : pack((uint32_t)A.cnt[cand_parent(cd)], cand_rank(cd), cand_depth(cd));
+          }
+          if (t == 0) S.alloc = total;
+        });
+        lb = A.cnt[lb];
+        le = total;
+        c ^= 1;
+        blk.run([](int) {});  // every thread has read cnt
       }
     }
-    if (S.pool_n + total > cap) {
-      blk.run([&](int t) { if (t == 0) S.flags |= kOverflow; });
-      return -1;
-    }
-    if (total == 0) break;
-    // Write the runs: entry pool_n + k is rank k - offset of the last run q with offset <= k.
-    const int lb = S.lvl_b, base = S.pool_n, c = S.cur;
-    blk.run([&](int t) {
-      for (int k = t; k < total; k += T) {
-        int a = 0, b = m;
-        while (b - a > 1) { const int mid = (a + b) >> 1; if (S.cnt[mid] <= k) a = mid; else b = mid; }
-        const int p = lb + a, r = k - S.cnt[a], e = base + k;
-        double s = S.score[c][p] + (double)row[r];
-        if (s == 0.0) s = zero_score(row, S.score[c][p], r, d);
-        S.score[c][e] = s;
-        S.cand[c][e] = pack((uint32_t)p, (uint32_t)r, (uint32_t)d);
-        S.key[c][e] = child_key(S, S.key[c][p], r, d);
-        if (!S.has_t) atomic_min_u64(&S.pmin, ordered(s));
-      }
-      if (t == 0) { S.lvl_b = base; S.pool_n = base + total; }
-    });
-    kept += total;
-    if (kept > budget + (budget >> 2) + 8) {
-      const int n = S.pool_n;
-      const double lo = S.has_t ? S.t : unordered(S.pmin);
-      const int got = refine(blk, S, lo, top, budget, [&](int t, auto f) {
-        for (int e = 1 + t; e < n; e += T)
-          if (S.score[c][e] >= lo) f(S.score[c][e]);
+    if (end == le) break;  // no children: no deeper level either
+    kept += end - le;
+    lb = le;
+    le = end;
+    if (kept > 2 * budget + 16) {
+      const Pool P = A.pool(c);
+      const double lo = bd.has ? bd.t : unordered(S.pmin);
+      const int got = refine(blk, A, bd, lo, top, budget, [&](int t, auto f) {
+        for (int e = 1 + t; e < le; e += T) f(P.score[e]);
       });
       if (got) kept = got;
     }
   }
-  // ---- 3. the order -------------------------------------------------------------------------
-  const int n = S.pool_n, c = S.cur;
+  // ---- 3. the order: buckets by score (a bucket sort), ranks counted inside a bucket --------
+  const int n = le;
+  const Pool P = A.pool(c);
+  const bool all = !bd.has;
+  const double tt = bd.t;
+  const double lo = all ? unordered(S.pmin) : tt;
+  Bins bins;
+  const bool spread = n > 1 && make_bins(lo, top, bins);
   blk.run([&](int t) {
-    if (t == 0) S.kept = 0;
-    for (int e = t; e < n; e += T) S.inv[e] = 0;
+    for (int i = t; i < kBins; i += T) A.hist[i] = 0;
+    for (int e = t; e < n; e += T) A.inv[e] = 0;
   });
   blk.run([&](int t) {
-    for (int e = 1 + t; e < n; e += T)
-      if (!S.has_t || S.score[c][e] >= S.t) S.idx[atomic_add(&S.kept, 1)] = (uint16_t)e;
-  });
-  const int A = S.kept;
-  const int used = (A < budget ? A : budget) + 1;
-  if (A <= 2 * T) {
-    // Rank counting: node r + 1 is the entry that exactly r kept entries precede.
-    blk.run([&](int t) {
-      for (int i = t; i < A; i += T) {
-        const int e = S.idx[i];
-        int r = 0;
-        for (int k = 0; k < A; ++k) r += before(S, S.idx[k], e);
-        if (r < budget) S.inv[e] = (int16_t)(r + 1);
-      }
-    });
-    blk.run([&](int t) {
-      for (int e = 1 + t; e < n; e += T)
-        if (S.inv[e]) S.cnt[S.inv[e] - 1] = e;
-    });
-  } else {
-    // Bitonic sort of idx[0..P) (P a power of two; padding sorts last), then inv.
-    int P = 1;
-    while (P < A) P <<= 1;
-    blk.run([&](int t) {
-      for (int i = A + t; i < P; i += T) S.idx[i] = 0xFFFFu;
-    });
-    for (int k = 2; k <= P; k <<= 1) {
-      for (int j = k >> 1; j > 0; j >>= 1) {
-        blk.run([&](int t) {
-          for (int i = t; i < P / 2; i += T) {
-            const int lo = 2 * j * (i / j) + (i % j), hi = lo + j;
-            const bool up = (lo & k) == 0;  // this block sorts ascending in "precedes" order
-            const int a = S.idx[lo], b = S.idx[hi];
-            const bool ab = b == 0xFFFF || (a != 0xFFFF && before(S, a, b));
-            if (ab != up) { S.idx[lo] = (uint16_t)b; S.idx[hi] = (uint16_t)a; }
-          }
-        });
-      }
+    for (int e = 1 + t; e < n; e += T) {
+      const double s = P.score[e];
+      if (!(all || s >= tt)) { A.cnt[e] = -1; continue; }
+      const int bk = spread ? kBins - 1 - bins.of(s) : 0;  // bucket 0: the best scores
+      A.cnt[e] = (bk << 16) | atomic_add(&A.hist[bk], 1);
     }
-    blk.run([&](int t) {
-      for (int r = t; r < used - 1; r += T) {
-        S.inv[S.idx[r]] = (int16_t)(r + 1);
-        S.cnt[r] = S.idx[r];
-      }
-    });
-  }
-  // ---- nodes: cnt[r] is the entry of node r + 1 ---------------------------------------------
+  });
+  const int kept_n = blk.scan(A.hist, kBins);  // hist: each bucket's first position
+  blk.run([&](int t) {
+    for (int e = 1 + t; e < n; e += T) {
+      const int v = A.cnt[e];
+      if (v >= 0) A.srt[A.hist[v >> 16] + (v & 0xFFFF)] = (uint16_t)e;
+    }
+  });
+  blk.run([&](int t) {
+    for (int q = t; q < kept_n; q += T) {
+      const int e = A.srt[q], bk = A.cnt[e] >> 16;
+      const int b0 = A.hist[bk], b1 = bk + 1 < kBins ? A.hist[bk + 1] : kept_n;
+      int r = b0;
+      for (int k = b0; k < b1; ++k) r += A.srt[k] != e && before(P, A.key_depth, A.srt[k], e);
+      if (r < budget) { A.inv[e] = (int16_t)(r + 1); A.order[r] = (uint16_t)e; }
+    }
+  });
+  const int used = (kept_n < budget ? kept_n : budget) + 1;
+  // ---- nodes: order[r] is the entry of node r + 1 -------------------------------------------
   blk.run([&](int t) {
     if (t == 0) {
       N.score[0] = 0.0; N.cand[0] = 0; N.first_child[0] = -1; N.next_sibling[0] = -1;
     }
     for (int i = 1 + t; i < used; i += T) {
-      const int e = S.cnt[i - 1];
-      const uint32_t cd = S.cand[c][e];
+      const int e = A.order[i - 1];
+      const uint32_t cd = P.cand[e];
       const int r = cand_rank(cd);
-      N.score[i] = S.score[c][e];
-      N.cand[i] = pack((uint32_t)S.inv[cand_parent(cd)], (uint32_t)r, (uint32_t)cand_depth(cd));
-      N.next_sibling[i] = r > 0 ? S.inv[e - 1] : (int16_t)-1;
+      N.score[i] = P.score[e];
+      N.cand[i] = pack((uint32_t)A.inv[cand_parent(cd)], (uint32_t)r, (uint32_t)cand_depth(cd));
+      N.next_sibling[i] = r > 0 ? A.inv[e - 1] : (int16_t)-1;
       N.first_child[i] = -1;
     }
   });
   blk.run([&](int t) {
     for (int i = 1 + t; i < used; i += T) {
-      const int e = S.cnt[i - 1];
-      const uint32_t cd = S.cand[c][e];
+      const int e = A.order[i - 1];
+      const uint32_t cd = P.cand[e];
       // The last selected child of its run (the run's next entry is rank + 1 of one parent).
-      const bool more = e + 1 < n && S.inv[e + 1] &&
-                        S.cand[c][e + 1] == pack(cand_parent(cd), cand_rank(cd) + 1, cand_depth(cd));
-      if (!more) N.first_child[S.inv[cand_parent(cd)]] = (int16_t)i;
+      const bool more = e + 1 < n && A.inv[e + 1] &&
+                        P.cand[e + 1] == pack(cand_parent(cd), cand_rank(cd) + 1, cand_depth(cd));
+      if (!more) N.first_child[A.inv[cand_parent(cd)]] = (int16_t)i;
     }
   });
   return used;
