@@ -28,6 +28,7 @@
 // = 36 n bytes <= 36.9 KB (under the 48 KB that needs no opt-in, on sm_90 and sm_120).
 #include <cuda_runtime.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
@@ -189,7 +190,36 @@ __global__ void __launch_bounds__(kThreads) tree_build_kernel(TreeBuildArgs a) {
 // an exclusive scan and a histogram suffix pick as collectives (warp shuffles, two barriers).
 struct GpuBlock {
   int* wsum;  // [34] scratch of the collectives (shared memory)
+#if defined(KDT_PAR_PROFILE)
+  long long t0 = 0;
+  int nmark = 0;
+  long long marks[48];
+  int ids[48];
+#endif
   __device__ int threads() const { return blockDim.x; }
+  // Profiling probe (development builds with -DKDT_PAR_PROFILE): thread 0 of block 0 records
+  // the cycle counter; print_marks prints the intervals.
+  __device__ void mark(int id) {
+#if defined(KDT_PAR_PROFILE)
+    if (threadIdx.x == 0 && blockIdx.x == 0 && nmark < 48) {
+      marks[nmark] = clock64();
+      ids[nmark++] = id;
+    }
+#else
+    (void)id;
+#endif
+  }
+  __device__ void print_marks() {
+#if defined(KDT_PAR_PROFILE)
+    if (threadIdx.x == 0 && blockIdx.x == 0) {
+      long long prev = t0;
+      for (int i = 0; i < nmark; ++i) {
+        printf("PROF %d %lld\n", ids[i], marks[i] - prev);
+        prev = marks[i];
+      }
+    }
+#endif
+  }
   template <class F>
   __device__ void run(F f) {
     f((int)threadIdx.x);
@@ -290,6 +320,9 @@ __global__ void tree_build_parallel_kernel(TreeBuildArgs a) {
   const int b = blockIdx.x;
   __shared__ tree::par::Shared S;
   __shared__ int used;
+#if defined(KDT_PAR_PROFILE)
+  const long long t_start = clock64();
+#endif
   // Layout: node scores [n], chain [L + 1], pool scores 2 x [cap], pool keys 2 x [cap] (8
   // bytes); node cands [n], pool cands 2 x [cap], cnt [cap], hist [kBins], wsum [34] (4 bytes);
   // srt, order, inv [cap], first_child [n], next_sibling [n] (2 bytes); staged log-probs.
@@ -323,6 +356,9 @@ __global__ void tree_build_parallel_kernel(TreeBuildArgs a) {
   __syncthreads();
   const tree::par::Nodes nodes{node_score, node_cand, first_child, next_sibling};
   GpuBlock blk{wsum};
+#if defined(KDT_PAR_PROFILE)
+  blk.t0 = t_start;
+#endif
   int u = tree::par::build(blk, S, A, nodes, lp, a.L, a.K, a.budget, cap);
   if (u < 0) {
     // The serial selection (warp variant) over the pool's memory: its frontier and keys (20 n
@@ -344,6 +380,8 @@ __global__ void tree_build_parallel_kernel(TreeBuildArgs a) {
     u = used;
   }
   write_outputs(a, b, n, W, u, node_cand, node_score, first_child, next_sibling, ids);
+  blk.mark(99);
+  blk.print_marks();
 }
 
 // ---- the one-warp build (tree_build_warp.h): a warp per request, several per CTA -----------

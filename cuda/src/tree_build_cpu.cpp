@@ -29,6 +29,7 @@ namespace {
 struct CpuBlock {
   int T;
   KDT_HD int threads() const { return T; }
+  KDT_HD void mark(int) {}
   template <class F>
   KDT_HD void run(F f) {
 #if !defined(__CUDA_ARCH__)

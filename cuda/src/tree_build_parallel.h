@@ -34,7 +34,8 @@
 //
 // The Block (tree_build.cu's GpuBlock, tree_build_cpu.cpp's CpuBlock) runs each phase for every
 // thread then synchronises (run), and provides two collectives: an exclusive scan and a suffix
-// pick over a histogram. Code outside run() is uniform: it runs once on the CPU and on every
+// pick over a histogram; mark(id) is a profiling probe (clock64 on the GPU when built with
+// KDT_PAR_PROFILE, else nothing). Code outside run() is uniform: it runs once on the CPU and on every
 // thread on the GPU, and writes no shared state.
 #pragma once
 
@@ -318,6 +319,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
     }
     S.fmin = lo;
   });
+  blk.mark(2);
   if (S.flags) return -1;
   const double top = (double)lp[0];  // the best score of all: depth 1, rank 0
   Bound bd{0.0, false};
@@ -329,6 +331,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
       }
     });
   }
+  blk.mark(3);
   // ---- 1, 2. level by level: the parents are the entries [lb, le) -------------------------
   int c = 0, lb = 0, le = 1, kept = 0;
   for (int d = 1; d <= L; ++d) {
@@ -379,6 +382,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
       end = S.alloc;
       const int flags = S.flags;
       blk.run([](int) {});  // every thread has read the scalars
+      blk.mark(10 + d);
       if (!(flags & kOverflow)) break;
       if (attempt == 2) return -1;  // S.flags says kOverflow
       blk.run([&](int t) {
@@ -437,6 +441,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
       });
       if (got) kept = got;
     }
+    blk.mark(40 + d);
   }
   // ---- 3. the order: buckets by score (a bucket sort), ranks counted inside a bucket --------
   const int n = le;
@@ -459,6 +464,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
     }
   });
   const int kept_n = blk.scan(A.hist, kBins);  // hist: each bucket's first position
+  blk.mark(80);
   blk.run([&](int t) {
     for (int e = 1 + t; e < n; e += T) {
       const int v = A.cnt[e];
@@ -474,6 +480,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
       if (r < budget) { A.inv[e] = (int16_t)(r + 1); A.order[r] = (uint16_t)e; }
     }
   });
+  blk.mark(81);
   const int used = (kept_n < budget ? kept_n : budget) + 1;
   // ---- nodes: order[r] is the entry of node r + 1 -------------------------------------------
   blk.run([&](int t) {
@@ -500,6 +507,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
       if (!more) N.first_child[A.inv[cand_parent(cd)]] = (int16_t)i;
     }
   });
+  blk.mark(82);
   return used;
 }
 
