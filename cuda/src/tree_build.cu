@@ -121,6 +121,28 @@ __device__ int warp_build_one(const float* lp, int L, int K, int budget, const t
   return count + 1;
 }
 
+// Visibility rows first, first + stride, ...: one ancestor walk per row (descending indices)
+// emits the row's words from the last down.
+__device__ void write_visibility_rows(uint32_t* vis, int n, int W, int used,
+                                      const uint32_t* node_cand, int first, int stride) {
+  for (int i = first; i < n; i += stride) {
+    uint32_t* row = vis + (size_t)i * W;
+    int cw = W - 1;
+    uint32_t word = 0;
+    if (i < used) {
+      int x = i;
+      for (;;) {
+        const int xw = x >> 5;
+        while (cw > xw) { row[cw--] = word; word = 0; }
+        word |= 1u << (x & 31);
+        if (x == 0) break;
+        x = tree::cand_parent(node_cand[x]);
+      }
+    }
+    while (cw >= 0) { row[cw--] = word; word = 0; }
+  }
+}
+
 // The whole block writes one request's outputs from the node arrays (node order, slot 0 the
 // root): slots, links, visibility words.
 __device__ void write_outputs(const TreeBuildArgs& a, int b, int n, int W, int used,
@@ -145,12 +167,7 @@ __device__ void write_outputs(const TreeBuildArgs& a, int b, int n, int W, int u
     a.next_sibling[o + i] = ns[i];
     if (a.scores) a.scores[o + i] = node_score[i];
   }
-  // Visibility: one word per thread step, consecutive threads on consecutive words.
-  uint32_t* vis = a.visibility + o * W;
-  for (int k = threadIdx.x; k < n * W; k += blockDim.x) {
-    const int i = k / W, w = k - i * W;
-    vis[k] = i < used ? tree::visibility_word(i, w, node_cand) : 0u;
-  }
+  write_visibility_rows(a.visibility + o * W, n, W, used, node_cand, threadIdx.x, blockDim.x);
   if (threadIdx.x == 0) a.num_nodes[b] = used;
 }
 
@@ -197,6 +214,16 @@ struct GpuBlock {
   int ids[48];
 #endif
   __device__ int threads() const { return blockDim.x; }
+  // Places n entries after *counter for every thread (a collective of whole warps): the warp's
+  // scan of n, one atomic per warp.
+  __device__ int alloc(int* counter, int n) {
+    const int lane = threadIdx.x & 31;
+    const int incl = warp_inclusive(n, lane);
+    int base = 0;
+    if (lane == 31 && incl) base = atomicAdd(counter, incl);
+    base = __shfl_sync(kFull, base, 31);
+    return base + incl - n;
+  }
   // Profiling probe (development builds with -DKDT_PAR_PROFILE): thread 0 of block 0 records
   // the cycle counter; print_marks prints the intervals.
   __device__ void mark(int id) {
@@ -302,7 +329,7 @@ struct GpuBlock {
 size_t par_smem_bytes(int budget, int L) {
   const size_t n = (size_t)budget + 1, cap = (size_t)tree::par::pool_capacity(budget);
   return n * 8 + (size_t)(L + 1) * 8 + cap * 4 * 8 + n * 4 + cap * 2 * 4 +
-         (size_t)(cap + tree::par::kBins + 34) * 4 + cap * 3 * 2 + n * 2 * 2;
+         (size_t)(cap + tree::par::kOrderBins + 34) * 4 + cap * 3 * 2 + n * 2 * 2;
 }
 
 // The request's log-probs are staged in shared memory (after the arrays above) when they take
@@ -324,7 +351,8 @@ __global__ void tree_build_parallel_kernel(TreeBuildArgs a) {
   const long long t_start = clock64();
 #endif
   // Layout: node scores [n], chain [L + 1], pool scores 2 x [cap], pool keys 2 x [cap] (8
-  // bytes); node cands [n], pool cands 2 x [cap], cnt [cap], hist [kBins], wsum [34] (4 bytes);
+  // bytes); node cands [n], pool cands 2 x [cap], cnt [cap], hist [kOrderBins], wsum [34] (4
+  // bytes);
   // srt, order, inv [cap], first_child [n], next_sibling [n] (2 bytes); staged log-probs.
   double* node_score = smem;
   double* chain = node_score + n;
@@ -334,7 +362,7 @@ __global__ void tree_build_parallel_kernel(TreeBuildArgs a) {
   uint32_t* cands = node_cand + n;
   int* cnt = reinterpret_cast<int*>(cands + 2 * cap);
   int* hist = cnt + cap;
-  int* wsum = hist + tree::par::kBins;
+  int* wsum = hist + tree::par::kOrderBins;
   uint16_t* srt = reinterpret_cast<uint16_t*>(wsum + 34);
   uint16_t* order = srt + cap;
   int16_t* inv = reinterpret_cast<int16_t*>(order + cap);
@@ -349,8 +377,17 @@ __global__ void tree_build_parallel_kernel(TreeBuildArgs a) {
                             cnt, srt, order, inv, hist, chain, ks.key_bits, ks.key_depth};
   if (threadIdx.x == 0) tree::par::init(S);
   if (stage_bytes(a.L, a.K)) {
+    // Eight loads in flight per thread before the stores.
     float* staged = reinterpret_cast<float*>(next_sibling + n);
-    for (size_t i = threadIdx.x; i < lk; i += blockDim.x) staged[i] = __ldg(lp + i);
+    const int T = blockDim.x;
+    for (int i0 = threadIdx.x; i0 < (int)lk; i0 += 8 * T) {
+      float v[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) v[k] = i0 + k * T < (int)lk ? __ldg(lp + i0 + k * T) : 0.0f;
+#pragma unroll
+      for (int k = 0; k < 8; ++k)
+        if (i0 + k * T < (int)lk) staged[i0 + k * T] = v[k];
+    }
     lp = staged;
   }
   __syncthreads();
@@ -450,23 +487,7 @@ __device__ void warp_write_outputs(const TreeBuildArgs& a, int b, int n, int W, 
     a.next_sibling[o + i] = ns[i];
     if (a.scores) a.scores[o + i] = node_score[i];
   }
-  uint32_t* vis = a.visibility + o * W;
-  for (int i = lane; i < n; i += 32) {
-    uint32_t* row = vis + (size_t)i * W;
-    int cw = W - 1;
-    uint32_t word = 0;
-    if (i < used) {
-      int x = i;
-      for (;;) {
-        const int xw = x >> 5;
-        while (cw > xw) { row[cw--] = word; word = 0; }
-        word |= 1u << (x & 31);
-        if (x == 0) break;
-        x = tree::cand_parent(node_cand[x]);
-      }
-    }
-    while (cw >= 0) { row[cw--] = word; word = 0; }
-  }
+  write_visibility_rows(a.visibility + o * W, n, W, used, node_cand, lane, 32);
   if (lane == 0) a.num_nodes[b] = used;
 }
 

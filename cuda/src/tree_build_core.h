@@ -173,20 +173,5 @@ KDT_HD int build_one(const float* lp, int L, int K, int budget, const Scratch& s
   return count + 1;
 }
 
-// Word w of visibility row i: bit j set iff j == i or j is an ancestor of i. Ancestors have
-// smaller indices, so the walk stops once it passes below the word's first bit.
-KDT_HD uint32_t visibility_word(int i, int w, const uint32_t* node_cand) {
-  uint32_t word = 0;
-  const int lo = 32 * w;
-  int a = i;
-  for (;;) {
-    if (a < lo) break;
-    if (a < lo + 32) word |= 1u << (a - lo);
-    if (a == 0) break;
-    a = cand_parent(node_cand[a]);
-  }
-  return word;
-}
-
 }  // namespace tree
 }  // namespace kdt

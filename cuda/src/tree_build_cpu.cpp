@@ -30,6 +30,11 @@ struct CpuBlock {
   int T;
   KDT_HD int threads() const { return T; }
   KDT_HD void mark(int) {}
+  KDT_HD int alloc(int* counter, int n) {
+    const int b = *counter;
+    *counter += n;
+    return b;
+  }
   template <class F>
   KDT_HD void run(F f) {
 #if !defined(__CUDA_ARCH__)
@@ -104,7 +109,7 @@ struct ParallelScratch {
   ParallelScratch(int budget, int L, int K, int threads)
       : cap(tree::par::pool_capacity(budget)), T(threads), score0(cap), score1(cap),
         chain(L + 1), cand0(cap), cand1(cap), key0(cap), key1(cap), cnt(cap),
-        hist(tree::par::kBins), srt(cap), order(cap), inv(cap) {
+        hist(tree::par::kOrderBins), srt(cap), order(cap), inv(cap) {
     tree::Scratch ks{};
     tree::set_key_layout(ks, L, K);
     A = tree::par::Arrays{{score0.data(), cand0.data(), key0.data()},
@@ -182,7 +187,7 @@ kdt_status tree_build_cpu(const TreeBuildArgs& a) {
       if (a.scores) a.scores[o + i] = node_score[i];
     }
     // Row i = its parent's row plus bit i (parents come first): one row copy per node. The
-    // CUDA kernel computes the same words independently per thread (tree::visibility_word).
+    // CUDA kernels walk each row's ancestors instead (tree_build.cu, write_visibility_rows).
     uint32_t* vis = a.visibility + (size_t)b * n * W;
     std::memset(vis, 0, sizeof(uint32_t) * (size_t)n * W);
     vis[0] = 1u;

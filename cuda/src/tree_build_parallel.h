@@ -48,7 +48,8 @@ namespace kdt {
 namespace tree {
 namespace par {
 
-constexpr int kBins = 256;      // histogram bins of the threshold refinement
+constexpr int kBins = 256;       // histogram bins of the threshold refinement
+constexpr int kOrderBins = 1024; // score buckets of the final order (hist holds this many)
 constexpr int kMaxPool = 2048;  // pool capacity bound
 
 // Pool capacity for a budget: a power of two >= 4 (budget + 1), at least 256, at most kMaxPool.
@@ -84,23 +85,45 @@ KDT_HD int atomic_add(int* p, int v) {
   return old;
 #endif
 }
+// The next three combine the warp's active lanes first (one atomic per warp).
 KDT_HD void atomic_min_int(int* p, int v) {
 #if defined(__CUDA_ARCH__)
-  atomicMin(p, v);
+  const unsigned m = __activemask();
+  const int r = __reduce_min_sync(m, v);
+  if ((int)(threadIdx.x & 31) == __ffs((int)m) - 1) atomicMin(p, r);
 #else
   if (v < *p) *p = v;
 #endif
 }
 KDT_HD void atomic_max_int(int* p, int v) {
 #if defined(__CUDA_ARCH__)
-  atomicMax(p, v);
+  const unsigned m = __activemask();
+  const int r = __reduce_max_sync(m, v);
+  if ((int)(threadIdx.x & 31) == __ffs((int)m) - 1) atomicMax(p, r);
 #else
   if (v > *p) *p = v;
 #endif
 }
+// hist[bin] += 1, returning this lane's slot (the count before it); lanes with equal bins
+// aggregated.
+KDT_HD int hist_add(int* hist, int bin) {
+#if defined(__CUDA_ARCH__)
+  const unsigned m = __activemask();
+  const unsigned peers = __match_any_sync(m, bin);
+  const int lane = (int)(threadIdx.x & 31), leader = __ffs((int)peers) - 1;
+  int base = 0;
+  if (lane == leader) base = atomicAdd(&hist[bin], __popc(peers));
+  base = __shfl_sync(peers, base, leader);
+  return base + __popc(peers & ((1u << lane) - 1u));
+#else
+  return hist[bin]++;
+#endif
+}
 KDT_HD void atomic_or(int* p, int v) {
 #if defined(__CUDA_ARCH__)
-  atomicOr(p, v);
+  const unsigned m = __activemask();
+  const int r = (int)__reduce_or_sync(m, (unsigned)v);
+  if ((int)(threadIdx.x & 31) == __ffs((int)m) - 1 && r) atomicOr(p, r);
 #else
   *p |= v;
 #endif
@@ -141,7 +164,7 @@ struct Arrays {
   uint16_t* srt;      // [cap] kept entries, bucket by bucket
   uint16_t* order;    // [cap] the entry of node r + 1
   int16_t* inv;       // [cap] node index of a pool entry (0: not selected)
-  int* hist;          // [kBins]
+  int* hist;          // [kOrderBins]
   double* chain;      // [L + 1] prefix sums of the rows' first log-probs
   int key_bits, key_depth;
 };
@@ -181,10 +204,11 @@ KDT_HD bool before(const Pool& P, int key_depth, int a, int b) {
   return compare_paths(ca, cb, P.cand) < 0;
 }
 
-// Histogram bins over [lo, lo + kBins w): edges lo + w b in float64, never contracted into an
+// Histogram bins over [lo, lo + nb w): edges lo + w b in float64, never contracted into an
 // fma, so that the edge a threshold takes is the edge the binning used.
 struct Bins {
   double lo, w, iw;
+  int nb;
   KDT_HD double edge(int b) const {
 #if defined(__CUDA_ARCH__)
     return __dadd_rn(lo, __dmul_rn(w, (double)b));
@@ -193,18 +217,19 @@ struct Bins {
     return lo + m;
 #endif
   }
-  // The bin of s >= lo: the largest b < kBins with edge(b) <= s.
+  // The bin of s >= lo: the largest b < nb with edge(b) <= s.
   KDT_HD int of(double s) const {
     const double f = (s - lo) * iw;
-    int b = f >= (double)(kBins - 1) ? kBins - 1 : (f > 0.0 ? (int)f : 0);
+    int b = f >= (double)(nb - 1) ? nb - 1 : (f > 0.0 ? (int)f : 0);
     while (b > 0 && s < edge(b)) --b;
-    while (b + 1 < kBins && s >= edge(b + 1)) ++b;
+    while (b + 1 < nb && s >= edge(b + 1)) ++b;
     return b;
   }
 };
-KDT_HD bool make_bins(double lo, double hi, Bins& B) {
+KDT_HD bool make_bins(double lo, double hi, int nb, Bins& B) {
   B.lo = lo;
-  B.w = (hi - lo) / kBins;
+  B.nb = nb;
+  B.w = (hi - lo) / nb;
   B.iw = 1.0 / B.w;
   return hi > lo && B.w > 0.0 && B.iw < 1e300;
 }
@@ -257,10 +282,10 @@ template <class Block, class Visit>
 KDT_HD int refine(Block& blk, const Arrays& A, Bound& bd, double lo, double hi, int need,
                   Visit visit) {
   Bins bins;
-  if (!make_bins(lo, hi, bins)) return 0;
+  if (!make_bins(lo, hi, kBins, bins)) return 0;
   blk.run([&](int t) {
     visit(t, [&](double s) {
-      if (s >= lo) atomic_add(&A.hist[bins.of(s)], 1);
+      if (s >= lo) hist_add(A.hist, bins.of(s));
     });
   });
   int got = 0;
@@ -323,11 +348,23 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
   if (S.flags) return -1;
   const double top = (double)lp[0];  // the best score of all: depth 1, rank 0
   Bound bd{0.0, false};
-  if ((long long)L * kc >= budget) {
+  // The family: (0, ..., 0, r) at every depth, and the depth-2 grid (r1, r2), 1 <= r1 < g,
+  // r2 < g, g ~ sqrt(2 B): distinct nodes whose scores are sums of two known values.
+  int g = 0;
+  if (L >= 2) {
+    while (g < kc && g * g < 2 * budget) ++g;
+  }
+  const int nchain = L * kc, nfam = nchain + (g > 1 ? (g - 1) * g : 0);
+  if (nfam >= budget) {
     refine(blk, A, bd, unordered(S.fmin), top, budget, [&](int t, auto f) {
-      for (int i = t; i < L * kc; i += T) {
-        const int d = i / kc, r = i - d * kc;
-        f(A.chain[d] + (double)lp[(size_t)d * K + r]);
+      for (int i = t; i < nfam; i += T) {
+        if (i < nchain) {
+          const int d = i / kc, r = i - d * kc;
+          f(A.chain[d] + (double)lp[(size_t)d * K + r]);
+        } else {
+          const int j = i - nchain, r1 = 1 + j / g, r2 = j - (r1 - 1) * g;
+          f((double)lp[r1] + (double)lp[(size_t)K + r2]);
+        }
       }
     });
   }
@@ -341,52 +378,40 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
       const int m = le - lb;
       const Bound b = bd;
       const Pool P = A.pool(c);
-      // Each kept parent's run: its length by binary search, its place by an atomic, then its
-      // entries (one parent: all threads share the run).
+      // Each kept parent's run: its length by binary search and its place (blk.alloc: a warp
+      // scan and one atomic per warp); with one parent, every thread computes the length.
       blk.run([&](int t) {
         for (int i = t; i < kBins; i += T) A.hist[i] = 0;
         if (m == 1) {
+          if (t != 0) return;
           const double s = P.score[lb];
           const int n = !b.has ? kc : (s + (double)row[0] >= b.t ? count_at_least(row, kc, s, b.t) : 0);
-          if (le + n > cap) { if (t == 0) atomic_or(&S.flags, kOverflow); return; }
-          if (t == 0) S.alloc = le + n;
-          for (int r = t; r < n; r += T) {
-            double sc = s + (double)row[r];
-            if (sc == 0.0) sc = zero_score(row, s, r, d);
-            const int e = le + r;
-            P.score[e] = sc;
-            P.cand[e] = pack((uint32_t)lb, (uint32_t)r, (uint32_t)d);
-            P.key[e] = child_key(A, P.key[lb], r, d);
-            if (!b.has) atomic_min_u64(&S.pmin, ordered(sc));
-          }
+          A.cnt[0] = le;
+          A.order[0] = (uint16_t)n;
+          S.alloc = le + n;
           return;
         }
-        for (int p = lb + t; p < le; p += T) {
-          const double s = P.score[p];
-          const int n = !b.has ? kc : (s + (double)row[0] >= b.t ? count_at_least(row, kc, s, b.t) : 0);
-          if (!n) continue;
-          const int base = atomic_add(&S.alloc, n);
-          if (base + n > cap) { atomic_or(&S.flags, kOverflow); continue; }
-          const uint64_t pk = P.key[p];
-          for (int r = 0; r < n; ++r) {
-            double sc = s + (double)row[r];
-            if (sc == 0.0) sc = zero_score(row, s, r, d);
-            const int e = base + r;
-            P.score[e] = sc;
-            P.cand[e] = pack((uint32_t)p, (uint32_t)r, (uint32_t)d);
-            P.key[e] = child_key(A, pk, r, d);
-            if (!b.has) atomic_min_u64(&S.pmin, ordered(sc));
+        for (int q0 = 0; q0 < m; q0 += T) {  // uniform trip count: blk.alloc is a collective
+          const int q = q0 + t;
+          int n = 0;
+          if (q < m) {
+            const double s = P.score[lb + q];
+            n = !b.has ? kc : (s + (double)row[0] >= b.t ? count_at_least(row, kc, s, b.t) : 0);
           }
+          const int base = blk.alloc(&S.alloc, n);
+          if (q < m) { A.cnt[q] = base; A.order[q] = (uint16_t)n; }
         }
       });
       end = S.alloc;
-      const int flags = S.flags;
-      blk.run([](int) {});  // every thread has read the scalars
+      blk.run([](int) {});  // every thread has read the scalar
       blk.mark(10 + d);
-      if (!(flags & kOverflow)) break;
-      if (attempt == 2) return -1;  // S.flags says kOverflow
+      if (end <= cap) break;
+      if (attempt == 2) {
+        blk.run([&](int t) { if (t == 0) S.flags |= kOverflow; });
+        return -1;
+      }
       blk.run([&](int t) {
-        if (t == 0) { S.alloc = le; S.flags = 0; }
+        if (t == 0) S.alloc = le;
       });
       if (attempt == 0) {
         // Raise t over the kept pool and the runs (scores below lo are not binned: lo is t, or
@@ -430,10 +455,33 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
       }
     }
     if (end == le) break;  // no children: no deeper level either
+    // Write the runs: each parent's run by its thread, or one parent's by all threads.
+    {
+      const Pool P = A.pool(c);
+      const int m = le - lb;
+      blk.run([&](int t) {
+        const int q0 = m == 1 ? 0 : t, qs = m == 1 ? 1 : T;
+        for (int q = q0; q < m; q += qs) {
+          const int p = lb + q, n = A.order[q], base = A.cnt[q];
+          const double s = P.score[p];
+          const uint64_t pk = P.key[p];
+          const int r0 = m == 1 ? t : 0, rs = m == 1 ? T : 1;
+          for (int r = r0; r < n; r += rs) {
+            double sc = s + (double)row[r];
+            if (sc == 0.0) sc = zero_score(row, s, r, d);
+            const int e = base + r;
+            P.score[e] = sc;
+            P.cand[e] = pack((uint32_t)p, (uint32_t)r, (uint32_t)d);
+            P.key[e] = child_key(A, pk, r, d);
+            if (!bd.has) atomic_min_u64(&S.pmin, ordered(sc));
+          }
+        }
+      });
+    }
     kept += end - le;
     lb = le;
     le = end;
-    if (kept > 2 * budget + 16) {
+    if (kept > budget + budget / 2 + 16) {
       const Pool P = A.pool(c);
       const double lo = bd.has ? bd.t : unordered(S.pmin);
       const int got = refine(blk, A, bd, lo, top, budget, [&](int t, auto f) {
@@ -450,20 +498,20 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
   const double tt = bd.t;
   const double lo = all ? unordered(S.pmin) : tt;
   Bins bins;
-  const bool spread = n > 1 && make_bins(lo, top, bins);
+  const bool spread = n > 1 && make_bins(lo, top, kOrderBins, bins);
   blk.run([&](int t) {
-    for (int i = t; i < kBins; i += T) A.hist[i] = 0;
+    for (int i = t; i < kOrderBins; i += T) A.hist[i] = 0;
     for (int e = t; e < n; e += T) A.inv[e] = 0;
   });
   blk.run([&](int t) {
     for (int e = 1 + t; e < n; e += T) {
       const double s = P.score[e];
       if (!(all || s >= tt)) { A.cnt[e] = -1; continue; }
-      const int bk = spread ? kBins - 1 - bins.of(s) : 0;  // bucket 0: the best scores
-      A.cnt[e] = (bk << 16) | atomic_add(&A.hist[bk], 1);
+      const int bk = spread ? kOrderBins - 1 - bins.of(s) : 0;  // bucket 0: the best scores
+      A.cnt[e] = (bk << 16) | hist_add(A.hist, bk);
     }
   });
-  const int kept_n = blk.scan(A.hist, kBins);  // hist: each bucket's first position
+  const int kept_n = blk.scan(A.hist, kOrderBins);  // hist: each bucket's first position
   blk.mark(80);
   blk.run([&](int t) {
     for (int e = 1 + t; e < n; e += T) {
@@ -474,7 +522,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
   blk.run([&](int t) {
     for (int q = t; q < kept_n; q += T) {
       const int e = A.srt[q], bk = A.cnt[e] >> 16;
-      const int b0 = A.hist[bk], b1 = bk + 1 < kBins ? A.hist[bk + 1] : kept_n;
+      const int b0 = A.hist[bk], b1 = bk + 1 < kOrderBins ? A.hist[bk + 1] : kept_n;
       int r = b0;
       for (int k = b0; k < b1; ++k) r += A.srt[k] != e && before(P, A.key_depth, A.srt[k], e);
       if (r < budget) { A.inv[e] = (int16_t)(r + 1); A.order[r] = (uint16_t)e; }
