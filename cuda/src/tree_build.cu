@@ -30,6 +30,10 @@
 
 #include <cstdio>
 #include <cstdlib>
+
+#if defined(KDT_PAR_PROFILE) && !defined(KDT_PAR_REPEAT)
+#define KDT_PAR_REPEAT 1
+#endif
 #include <cstring>
 
 #include "common.h"
@@ -214,6 +218,30 @@ struct GpuBlock {
   int ids[48];
 #endif
   __device__ int threads() const { return blockDim.x; }
+  // chain[d + 1] = lp[0][0] + ... + lp[d][0] (chain[0] = 0; L <= 32: one lane per depth, a
+  // shuffle scan; the caller has checked that these float64 sums are exact, so any order gives
+  // the same bits), and *fmin = min over d of ordered(chain[d] + lp[d][kc - 1]).
+  __device__ void chain_sums(const float* lp, int L, int K, int kc, double* chain,
+                             unsigned long long* fmin) {
+    const int t = threadIdx.x;
+    if (t < 32) {
+      const double v = t < L ? (double)lp[(size_t)t * K] : 0.0;
+      double x = v;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const double y = __shfl_up_sync(kFull, x, o);
+        if (t >= o) x += y;
+      }
+      if (t < L) chain[t + 1] = x;
+      if (t == 0) chain[0] = 0.0;
+      const unsigned long long u =
+          t < L ? tree::par::ordered((x - v) + (double)lp[(size_t)t * K + kc - 1]) : ~0ull;
+      const unsigned hi = __reduce_min_sync(kFull, (unsigned)(u >> 32));
+      const unsigned lo = __reduce_min_sync(kFull, (unsigned)(u >> 32) == hi ? (unsigned)u : ~0u);
+      if (t == 0) *fmin = ((unsigned long long)hi << 32) | lo;
+    }
+    __syncthreads();
+  }
   // Places n entries after *counter for every thread (a collective of whole warps): the warp's
   // scan of n, one atomic per warp.
   __device__ int alloc(int* counter, int n) {
@@ -395,6 +423,16 @@ __global__ void tree_build_parallel_kernel(TreeBuildArgs a) {
   GpuBlock blk{wsum};
 #if defined(KDT_PAR_PROFILE)
   blk.t0 = t_start;
+  // KDT_PAR_REPEAT: build again and keep the last build's marks (is the first one paying for
+  // cold caches?).
+  for (int rep = 1; rep < KDT_PAR_REPEAT; ++rep) {
+    tree::par::build(blk, S, A, nodes, lp, a.L, a.K, a.budget, cap);
+    __syncthreads();
+    if (threadIdx.x == 0) tree::par::init(S);
+    __syncthreads();
+    blk.nmark = 0;
+    blk.t0 = clock64();
+  }
 #endif
   int u = tree::par::build(blk, S, A, nodes, lp, a.L, a.K, a.budget, cap);
   if (u < 0) {

@@ -30,6 +30,19 @@ struct CpuBlock {
   int T;
   KDT_HD int threads() const { return T; }
   KDT_HD void mark(int) {}
+  KDT_HD void chain_sums(const float* lp, int L, int K, int kc, double* chain,
+                         unsigned long long* fmin) {
+    double c = 0.0;
+    unsigned long long lo = ~0ull;
+    chain[0] = 0.0;
+    for (int d = 0; d < L; ++d) {
+      const unsigned long long u = tree::par::ordered(c + (double)lp[(size_t)d * K + kc - 1]);
+      if (u < lo) lo = u;
+      c += (double)lp[(size_t)d * K];
+      chain[d + 1] = c;
+    }
+    *fmin = lo;
+  }
   KDT_HD int alloc(int* counter, int n) {
     const int b = *counter;
     *counter += n;

@@ -285,7 +285,7 @@ KDT_HD int refine(Block& blk, const Arrays& A, Bound& bd, double lo, double hi, 
   if (!make_bins(lo, hi, kBins, bins)) return 0;
   blk.run([&](int t) {
     visit(t, [&](double s) {
-      if (s >= lo) hist_add(A.hist, bins.of(s));
+      if (s >= lo) atomic_add(&A.hist[bins.of(s)], 1);
     });
   });
   int got = 0;
@@ -304,24 +304,26 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
                  int K, int budget, int cap) {
   const int T = blk.threads();
   const int kc = K < budget ? K : budget;  // ranks >= budget are never selected
-  const int lk = L * K;
   // ---- 0. the exactness check, the chain sums, the first threshold ------------------------
   blk.run([&](int t) {
     if (t == 0) { A.p0.score[0] = 0.0; A.p0.cand[0] = 0; A.p0.key[0] = 0; }
     for (int i = t; i < kBins; i += T) A.hist[i] = 0;
     int emin = 1 << 30, emax = -(1 << 30), bad = 0;
-    for (int i = t; i < lk; i += T) {
-      const float x = lp[i];
-      union { float f; uint32_t u; } v;
-      v.f = x;
-      if (((v.u >> 23) & 0xFFu) == 0xFFu) { bad |= kInexact; continue; }
-      if (x > 0.0f) bad |= kAnomaly;
-      if ((i % K) + 1 < K && !(lp[i + 1] <= x)) bad |= kAnomaly;
-      if (x != 0.0f) {
-        int lsb, top;
-        float_exponents(x, lsb, top);
-        if (lsb < emin) emin = lsb;
-        if (top > emax) emax = top;
+    for (int d = 0; d < L; ++d) {
+      const float* row = lp + (size_t)d * K;
+      for (int r = t; r < K; r += T) {
+        const float x = row[r];
+        union { float f; uint32_t u; } v;
+        v.f = x;
+        if (((v.u >> 23) & 0xFFu) == 0xFFu) { bad |= kInexact; continue; }
+        if (x > 0.0f) bad |= kAnomaly;
+        if (r + 1 < K && !(row[r + 1] <= x)) bad |= kAnomaly;
+        if (x != 0.0f) {
+          int lsb, top;
+          float_exponents(x, lsb, top);
+          if (lsb < emin) emin = lsb;
+          if (top > emax) emax = top;
+        }
       }
     }
     if (bad) atomic_or(&S.flags, bad);
@@ -333,19 +335,11 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
     int lg = 0;
     while ((1 << lg) < L + 2) ++lg;
     if (S.emin < (1 << 30) && S.emax + lg > S.emin + 53) S.flags |= kInexact;
-    double c = 0.0;
-    A.chain[0] = 0.0;
-    unsigned long long lo = ~0ull;
-    for (int d = 0; d < L; ++d) {
-      const uint64_t u = ordered(c + (double)lp[(size_t)d * K + kc - 1]);
-      if (u < lo) lo = u;
-      c += (double)lp[(size_t)d * K];
-      A.chain[d + 1] = c;
-    }
-    S.fmin = lo;
   });
-  blk.mark(2);
   if (S.flags) return -1;
+  // chain[d] = lp[0][0] + ... + lp[d - 1][0] (exact now); fmin: the family's lowest chain score.
+  blk.chain_sums(lp, L, K, kc, A.chain, &S.fmin);
+  blk.mark(2);
   const double top = (double)lp[0];  // the best score of all: depth 1, rank 0
   Bound bd{0.0, false};
   // The family: (0, ..., 0, r) at every depth, and the depth-2 grid (r1, r2), 1 <= r1 < g,
@@ -354,17 +348,16 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
   if (L >= 2) {
     while (g < kc && g * g < 2 * budget) ++g;
   }
-  const int nchain = L * kc, nfam = nchain + (g > 1 ? (g - 1) * g : 0);
+  const int nfam = L * kc + (g > 1 ? (g - 1) * g : 0);
   if (nfam >= budget) {
     refine(blk, A, bd, unordered(S.fmin), top, budget, [&](int t, auto f) {
-      for (int i = t; i < nfam; i += T) {
-        if (i < nchain) {
-          const int d = i / kc, r = i - d * kc;
-          f(A.chain[d] + (double)lp[(size_t)d * K + r]);
-        } else {
-          const int j = i - nchain, r1 = 1 + j / g, r2 = j - (r1 - 1) * g;
-          f((double)lp[r1] + (double)lp[(size_t)K + r2]);
-        }
+      for (int d = 0; d < L; ++d) {
+        const double c = A.chain[d];
+        for (int r = t; r < kc; r += T) f(c + (double)lp[(size_t)d * K + r]);
+      }
+      for (int r1 = 1; r1 < g; ++r1) {
+        const double c = (double)lp[r1];
+        for (int r2 = t; r2 < g; r2 += T) f(c + (double)lp[(size_t)K + r2]);
       }
     });
   }
@@ -508,7 +501,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
       const double s = P.score[e];
       if (!(all || s >= tt)) { A.cnt[e] = -1; continue; }
       const int bk = spread ? kOrderBins - 1 - bins.of(s) : 0;  // bucket 0: the best scores
-      A.cnt[e] = (bk << 16) | hist_add(A.hist, bk);
+      A.cnt[e] = (bk << 16) | atomic_add(&A.hist[bk], 1);
     }
   });
   const int kept_n = blk.scan(A.hist, kOrderBins);  // hist: each bucket's first position
