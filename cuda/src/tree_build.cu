@@ -126,7 +126,7 @@ __device__ int warp_build_one(const float* lp, int L, int K, int budget, const t
 }
 
 // Visibility rows first, first + stride, ...: one ancestor walk per row (descending indices)
-// emits the row's words from the last down.
+// emits the row's words from the last down (the warp writer: a lane per row).
 __device__ void write_visibility_rows(uint32_t* vis, int n, int W, int used,
                                       const uint32_t* node_cand, int first, int stride) {
   for (int i = first; i < n; i += stride) {
@@ -144,6 +144,29 @@ __device__ void write_visibility_rows(uint32_t* vis, int n, int W, int used,
       }
     }
     while (cw >= 0) { row[cw--] = word; word = 0; }
+  }
+}
+
+// The block writer: every word zeroed with consecutive threads on consecutive words, a block
+// barrier (it orders the block's global writes), then each row's walk ORs nothing but stores
+// only its nonzero words (at most depth + 1 of them).
+__device__ void block_write_visibility(uint32_t* vis, int n, int W, int used,
+                                       const uint32_t* node_cand) {
+  for (int k = threadIdx.x; k < n * W; k += blockDim.x) vis[k] = 0u;
+  __syncthreads();
+  for (int i = threadIdx.x; i < used; i += blockDim.x) {
+    uint32_t* row = vis + (size_t)i * W;
+    int cw = i >> 5;
+    uint32_t word = 0;
+    int x = i;
+    for (;;) {
+      const int xw = x >> 5;
+      if (xw != cw) { row[cw] = word; word = 0; cw = xw; }
+      word |= 1u << (x & 31);
+      if (x == 0) break;
+      x = tree::cand_parent(node_cand[x]);
+    }
+    row[cw] = word;
   }
 }
 
@@ -171,7 +194,7 @@ __device__ void write_outputs(const TreeBuildArgs& a, int b, int n, int W, int u
     a.next_sibling[o + i] = ns[i];
     if (a.scores) a.scores[o + i] = node_score[i];
   }
-  write_visibility_rows(a.visibility + o * W, n, W, used, node_cand, threadIdx.x, blockDim.x);
+  block_write_visibility(a.visibility + o * W, n, W, used, node_cand);
   if (threadIdx.x == 0) a.num_nodes[b] = used;
 }
 

@@ -60,7 +60,7 @@ KDT_HD int pool_capacity(int budget) {
 }
 
 // Threads per CTA for a budget (the CUDA launch and the CPU emulation's default).
-KDT_HD int threads_for(int budget) { return budget < 128 ? 128 : (budget < 512 ? 256 : 512); }
+KDT_HD int threads_for(int budget) { return budget < 512 ? 256 : 512; }
 
 // Order-preserving map of a double to uint64 (a < b iff map(a) < map(b), -0.0 < +0.0).
 KDT_HD uint64_t ordered(double x) {
@@ -285,7 +285,7 @@ KDT_HD int refine(Block& blk, const Arrays& A, Bound& bd, double lo, double hi, 
   if (!make_bins(lo, hi, kBins, bins)) return 0;
   blk.run([&](int t) {
     visit(t, [&](double s) {
-      if (s >= lo) atomic_add(&A.hist[bins.of(s)], 1);
+      if (s >= lo) hist_add(A.hist, bins.of(s));
     });
   });
   int got = 0;
@@ -309,21 +309,18 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
     if (t == 0) { A.p0.score[0] = 0.0; A.p0.cand[0] = 0; A.p0.key[0] = 0; }
     for (int i = t; i < kBins; i += T) A.hist[i] = 0;
     int emin = 1 << 30, emax = -(1 << 30), bad = 0;
-    for (int d = 0; d < L; ++d) {
-      const float* row = lp + (size_t)d * K;
-      for (int r = t; r < K; r += T) {
-        const float x = row[r];
-        union { float f; uint32_t u; } v;
-        v.f = x;
-        if (((v.u >> 23) & 0xFFu) == 0xFFu) { bad |= kInexact; continue; }
-        if (x > 0.0f) bad |= kAnomaly;
-        if (r + 1 < K && !(row[r + 1] <= x)) bad |= kAnomaly;
-        if (x != 0.0f) {
-          int lsb, top;
-          float_exponents(x, lsb, top);
-          if (lsb < emin) emin = lsb;
-          if (top > emax) emax = top;
-        }
+    for (int i = t; i < L * K; i += T) {  // one flat loop: few iterations per thread
+      const float x = lp[i];
+      union { float f; uint32_t u; } v;
+      v.f = x;
+      if (((v.u >> 23) & 0xFFu) == 0xFFu) { bad |= kInexact; continue; }
+      if (x > 0.0f) bad |= kAnomaly;
+      if ((i % K) + 1 < K && !(lp[i + 1] <= x)) bad |= kAnomaly;
+      if (x != 0.0f) {
+        int lsb, top;
+        float_exponents(x, lsb, top);
+        if (lsb < emin) emin = lsb;
+        if (top > emax) emax = top;
       }
     }
     if (bad) atomic_or(&S.flags, bad);
@@ -350,14 +347,16 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
   }
   const int nfam = L * kc + (g > 1 ? (g - 1) * g : 0);
   if (nfam >= budget) {
+    const int nchain = L * kc;
     refine(blk, A, bd, unordered(S.fmin), top, budget, [&](int t, auto f) {
-      for (int d = 0; d < L; ++d) {
-        const double c = A.chain[d];
-        for (int r = t; r < kc; r += T) f(c + (double)lp[(size_t)d * K + r]);
-      }
-      for (int r1 = 1; r1 < g; ++r1) {
-        const double c = (double)lp[r1];
-        for (int r2 = t; r2 < g; r2 += T) f(c + (double)lp[(size_t)K + r2]);
+      for (int i = t; i < nfam; i += T) {  // one flat loop: few iterations per thread
+        if (i < nchain) {
+          const int d = i / kc, r = i - d * kc;
+          f(A.chain[d] + (double)lp[(size_t)d * K + r]);
+        } else {
+          const int j = i - nchain, r1 = 1 + j / g, r2 = j - (r1 - 1) * g;
+          f((double)lp[r1] + (double)lp[(size_t)K + r2]);
+        }
       }
     });
   }
@@ -411,13 +410,18 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
         // before t exists the pool's lowest score).
         if (!bd.has && S.pmin == ~0ull) continue;
         const double lo = bd.has ? bd.t : unordered(S.pmin);
+        // The runs flattened: offsets by a scan of the lengths, an element's run by binary
+        // search (balanced, whatever the run lengths).
+        blk.run([&](int t) {
+          for (int q = t; q < m; q += T) A.cnt[q] = A.order[q];
+        });
+        const int total = blk.scan(A.cnt, m);
         refine(blk, A, bd, lo, top, budget, [&](int t, auto f) {
           for (int e = 1 + t; e < le; e += T) f(P.score[e]);
-          for (int p = lb + t; p < le; p += T) {
-            const double s = P.score[p];
-            if (s + (double)row[0] < lo) continue;
-            const int n = count_at_least(row, kc, s, lo);
-            for (int r = 0; r < n; ++r) f(s + (double)row[r]);
+          for (int k = t; k < total; k += T) {
+            int x = 0, y = m;  // the last run q with offset <= k
+            while (y - x > 1) { const int mid = (x + y) >> 1; if (A.cnt[mid] <= k) x = mid; else y = mid; }
+            f(P.score[lb + x] + (double)row[k - A.cnt[x]]);
           }
         });
       } else {
@@ -452,13 +456,17 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
     {
       const Pool P = A.pool(c);
       const int m = le - lb;
+      // One parent: all threads on its run; a few: a warp per run; many: a thread per run.
+      const int mode = m == 1 ? 0 : (m <= T / 8 ? 1 : 2);
       blk.run([&](int t) {
-        const int q0 = m == 1 ? 0 : t, qs = m == 1 ? 1 : T;
+        const int q0 = mode == 0 ? 0 : (mode == 1 ? t >> 5 : t);
+        const int qs = mode == 0 ? 1 : (mode == 1 ? T >> 5 : T);
         for (int q = q0; q < m; q += qs) {
           const int p = lb + q, n = A.order[q], base = A.cnt[q];
           const double s = P.score[p];
           const uint64_t pk = P.key[p];
-          const int r0 = m == 1 ? t : 0, rs = m == 1 ? T : 1;
+          const int r0 = mode == 0 ? t : (mode == 1 ? (t & 31) : 0);
+          const int rs = mode == 0 ? T : (mode == 1 ? 32 : 1);
           for (int r = r0; r < n; r += rs) {
             double sc = s + (double)row[r];
             if (sc == 0.0) sc = zero_score(row, s, r, d);
@@ -501,7 +509,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
       const double s = P.score[e];
       if (!(all || s >= tt)) { A.cnt[e] = -1; continue; }
       const int bk = spread ? kOrderBins - 1 - bins.of(s) : 0;  // bucket 0: the best scores
-      A.cnt[e] = (bk << 16) | atomic_add(&A.hist[bk], 1);
+      A.cnt[e] = (bk << 16) | hist_add(A.hist, bk);
     }
   });
   const int kept_n = blk.scan(A.hist, kOrderBins);  // hist: each bucket's first position
