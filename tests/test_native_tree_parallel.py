@@ -5,7 +5,7 @@ KDT_TREE_BUILD picks the algorithm per call: on the CPU backend "parallel" runs 
 kernel's block-synchronous code thread by thread (KDT_TREE_BUILD_THREADS threads), so it is
 checked here without a GPU; "parallel-strict" refuses the serial fallback, which proves that the
 parallel path itself built the tree; "warp" runs the one-warp best-first build lane by lane
-(budgets <= 1023; 1024 runs "parallel"). On CUDA "auto" (the default: warp up to budget 127,
+(budgets <= 1023; 1024 runs "parallel"). On CUDA "auto" (the default: warp up to budget 15,
 parallel above), "warp", "parallel" and "serial" (the earlier kernel) must all equal the
 reference. Fresh random inputs; failures carry the seed.
 """

@@ -2,16 +2,17 @@
 // synchronisation and no allocation: safe under CUDA graph capture.
 //
 // KDT_TREE_BUILD (read per call on the host) picks the algorithm:
-//   auto (the default, unset): warp for budgets <= tree::wrp::kAutoMaxBudget (127), parallel
+//   auto (the default, unset): warp for budgets <= tree::wrp::kAutoMaxBudget (15), parallel
 //     above.
 //   warp: tree_build_warp.h, one warp per request (one CTA of one warp per request up to bs 512,
 //     up to four warps per CTA beyond); no block barrier; the frontier in registers (S = 16 and
 //     32 slots per lane for budgets 256..1023: 151 and 253 registers on sm_90). Budget 1024 runs
 //     the parallel build.
-//   parallel: tree_build_parallel.h with 128-512 threads per block (level-by-level
-//     expansion under a rising score bound, then a bitonic sort of the kept nodes); a request it
-//     declines (a score above its generator, or a pool overflow from masses of exact ties) is
-//     built by the block's warp 0 with the serial warp selection below, in the same launch.
+//   parallel: tree_build_parallel.h with 256 or 512 threads per block (an exact-sum check, then
+//     level-by-level expansion under a rising score bound, then a bucket sort of the kept
+//     nodes); a request it declines (log-probs whose float64 sums may round, a positive
+//     log-prob or an unsorted row, or a pool overflow from masses of exact ties) is built by the
+//     block's warp 0 with the serial warp selection below, in the same launch.
 //   serial: the earlier kernel below, 128 threads per block, the selection serial.
 //
 // Two serial selection variants, both reproducing the CPU order exactly (same float64 scores, same
@@ -377,8 +378,8 @@ struct GpuBlock {
 
 // Dynamic shared memory of the parallel kernel for a budget and L (layout in the kernel; 8-byte
 // arrays first, then 4-byte, then 2-byte).
-size_t par_smem_bytes(int budget, int L) {
-  const size_t n = (size_t)budget + 1, cap = (size_t)tree::par::pool_capacity(budget);
+size_t par_smem_bytes(int budget, int L, int pool_cap) {
+  const size_t n = (size_t)budget + 1, cap = (size_t)pool_cap;
   return n * 8 + (size_t)(L + 1) * 8 + cap * 4 * 8 + n * 4 + cap * 2 * 4 +
          (size_t)(cap + tree::par::kOrderBins + 34) * 4 + cap * 3 * 2 + n * 2 * 2;
 }
@@ -391,10 +392,9 @@ __host__ __device__ size_t stage_bytes(int L, int K) {
   return b <= kStageLogpBytes ? b : 0;
 }
 
-__global__ void tree_build_parallel_kernel(TreeBuildArgs a) {
+__global__ void tree_build_parallel_kernel(TreeBuildArgs a, int cap) {
   extern __shared__ double smem[];
   const int n = a.budget + 1, W = (n + 31) / 32;
-  const int cap = tree::par::pool_capacity(a.budget);
   const int b = blockIdx.x;
   __shared__ tree::par::Shared S;
   __shared__ int used;
@@ -647,10 +647,10 @@ kdt_status tree_build_cuda(const TreeBuildArgs& a, void* stream) {
     return launch_warp_build(a, st);
   if (mode != Mode::kSerial) {
     const int T = tree::par::threads_for(a.budget);
-    const size_t psmem = par_smem_bytes(a.budget, a.L) + stage_bytes(a.L, a.K);
     // The shared-memory opt-in, once per device at the largest size the device allows, so that
-    // a later call under graph capture makes no attribute call. A budget whose pool does not
-    // fit (devices with < 200 KB per block, budgets near 1024) runs the serial kernel.
+    // a later call under graph capture makes no attribute call. The pool shrinks (in steps of
+    // 256 entries, never below 2 (budget + 1)) until it fits the device (sm_120: 99 KB per
+    // block); a budget that fits no pool runs the serial kernel.
     static int optin[64] = {};
     int dev = 0;
     KDT_CUDA_CHECK(cudaGetDevice(&dev), fn);
@@ -661,16 +661,23 @@ kdt_status tree_build_cuda(const TreeBuildArgs& a, void* stream) {
       KDT_CUDA_CHECK(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
                      fn);
       limit -= 1024;  // the kernel's static shared memory (S, used)
-      const int most =
-          (int)(par_smem_bytes(tree::kMaxBudget, tree::kMaxDepth) + kStageLogpBytes);
+      const int most = (int)(par_smem_bytes(tree::kMaxBudget, tree::kMaxDepth,
+                                            tree::par::pool_capacity(tree::kMaxBudget)) +
+                             kStageLogpBytes);
       limit = limit < most ? limit : most;
       KDT_CUDA_CHECK(cudaFuncSetAttribute(tree_build_parallel_kernel,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize, limit),
                      fn);
       if (dev >= 0 && dev < 64) optin[dev] = limit;
     }
+    int cap = tree::par::pool_capacity(a.budget);
+    size_t psmem = par_smem_bytes(a.budget, a.L, cap) + stage_bytes(a.L, a.K);
+    while (psmem > (size_t)limit && cap - 256 >= 2 * (a.budget + 1)) {
+      cap -= 256;
+      psmem = par_smem_bytes(a.budget, a.L, cap) + stage_bytes(a.L, a.K);
+    }
     if (psmem <= (size_t)limit) {
-      tree_build_parallel_kernel<<<a.bs, T, psmem, st>>>(a);
+      tree_build_parallel_kernel<<<a.bs, T, psmem, st>>>(a, cap);
       KDT_CUDA_CHECK(cudaGetLastError(), fn);
       return KDT_OK;
     }

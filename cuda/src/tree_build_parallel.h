@@ -50,13 +50,14 @@ namespace par {
 
 constexpr int kBins = 256;       // histogram bins of the threshold refinement
 constexpr int kOrderBins = 1024; // score buckets of the final order (hist holds this many)
-constexpr int kMaxPool = 2048;  // pool capacity bound
+constexpr int kMaxPool = 3072;  // pool capacity bound
 
-// Pool capacity for a budget: a power of two >= 4 (budget + 1), at least 256, at most kMaxPool.
+// Pool capacity for a budget: 4 (budget + 1) rounded up to a multiple of 256, at most kMaxPool.
+// Any capacity > budget is correct (a pool that overflows even after the threshold rose and the
+// pool was compacted declines the request); a larger one overflows less often.
 KDT_HD int pool_capacity(int budget) {
-  int c = 256;
-  while (c < 4 * (budget + 1) && c < kMaxPool) c *= 2;
-  return c;
+  const int c = (4 * (budget + 1) + 255) / 256 * 256;
+  return c < kMaxPool ? c : kMaxPool;
 }
 
 // Threads per CTA for a budget (the CUDA launch and the CPU emulation's default).

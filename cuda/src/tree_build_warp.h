@@ -41,7 +41,7 @@ namespace wrp {
 
 constexpr int kMaxSlots = 32;                  // slots per lane
 constexpr int kMaxBudget = 32 * kMaxSlots - 1;  // 1023: the largest budget this build takes
-constexpr int kAutoMaxBudget = 127;  // KDT_TREE_BUILD=auto: warp up to here (H200: warp 37 us vs parallel 78-119 us at B63; 244 vs 141-216 us at B255)
+constexpr int kAutoMaxBudget = 15;  // KDT_TREE_BUILD=auto: warp up to here, parallel above (H200, kernel alone: B15 warp 9.3 us vs parallel 10.4-14; B63 warp 37 vs parallel 17-23)
 
 // Slots per lane for a budget: the smallest power of two S with 32 S >= budget + 1.
 KDT_HD int slots_for(int budget) {
