@@ -8,6 +8,7 @@ than cuda/ sources (cuda/build.sh --arch cpu --out build/cpu) and points KDTREE_
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -63,6 +64,15 @@ def skip_cuda_without_gpu(request):
 def cuda_ready():
     """Marks a test as needing the CUDA backend (skip logic in skip_cuda_without_gpu)."""
     return True
+
+
+@dataclass
+class Links:
+    """The accept inputs of a hand-made tree (kdt_tree_accept reads these fields)."""
+    tokens: np.ndarray
+    first_child: np.ndarray
+    next_sibling: np.ndarray
+    num_nodes: np.ndarray | None
 
 
 def random_build_inputs(rng, bs: int, L: int, K: int, ties: bool):

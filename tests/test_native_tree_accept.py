@@ -14,7 +14,6 @@ shapes).
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -22,7 +21,7 @@ import pytest
 from engine.reference import ddtree
 
 from native_helpers import (  # noqa: F401 (fixtures)
-    DEVICES, FIELDS_ACCEPT, assert_same, cuda_ready, native, random_build_inputs,
+    DEVICES, FIELDS_ACCEPT, Links, assert_same, cuda_ready, native, random_build_inputs,
     skip_cuda_without_gpu)
 
 pytestmark = pytest.mark.native
@@ -32,14 +31,6 @@ pytestmark = pytest.mark.native
 def accept_algo(request, monkeypatch):
     monkeypatch.setenv("KDT_TREE_ACCEPT", request.param)
     return request.param
-
-
-@dataclass
-class Links:
-    tokens: np.ndarray
-    first_child: np.ndarray
-    next_sibling: np.ndarray
-    num_nodes: np.ndarray | None
 
 
 def _targets(rng, tree, mode: str) -> np.ndarray:

@@ -13,7 +13,6 @@ link into a node, num_nodes outside [1, n]) and the statuses must still be the r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -21,20 +20,12 @@ import pytest
 from engine.reference import ddtree
 
 from native_helpers import (  # noqa: F401 (fixtures)
-    DEVICES, FIELDS_ACCEPT, assert_same, native, skip_cuda_without_gpu)
+    DEVICES, FIELDS_ACCEPT, Links, assert_same, native, skip_cuda_without_gpu)
 
 pytestmark = pytest.mark.native
 INT64_MAX = np.iinfo(np.int64).max
 # n around the warp and block sizes of the parallel kernel; 1025 is above its limit (walk).
 SIZES = [1, 2, 3, 31, 32, 33, 64, 255, 256, 1023, 1024, 1025]
-
-
-@dataclass
-class Links:
-    tokens: np.ndarray
-    first_child: np.ndarray
-    next_sibling: np.ndarray
-    num_nodes: np.ndarray | None
 
 
 def _one_tree(rng, n: int, shape: str, alphabet: int, full: bool):
