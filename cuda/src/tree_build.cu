@@ -238,8 +238,8 @@ struct GpuBlock {
 #if defined(KDT_PAR_PROFILE)
   long long t0 = 0;
   int nmark = 0;
-  long long marks[48];
-  int ids[48];
+  long long marks[96];
+  int ids[96];
 #endif
   __device__ int threads() const { return blockDim.x; }
   // chain[d + 1] = lp[0][0] + ... + lp[d][0] (chain[0] = 0; L <= 32: one lane per depth, a
@@ -280,7 +280,7 @@ struct GpuBlock {
   // the cycle counter; print_marks prints the intervals.
   __device__ void mark(int id) {
 #if defined(KDT_PAR_PROFILE)
-    if (threadIdx.x == 0 && blockIdx.x == 0 && nmark < 48) {
+    if (threadIdx.x == 0 && blockIdx.x == 0 && nmark < 96) {
       marks[nmark] = clock64();
       ids[nmark++] = id;
     }
@@ -446,6 +446,7 @@ __global__ void tree_build_parallel_kernel(TreeBuildArgs a, int cap) {
   GpuBlock blk{wsum};
 #if defined(KDT_PAR_PROFILE)
   blk.t0 = t_start;
+  blk.mark(0);  // staged
   // KDT_PAR_REPEAT: build again and keep the last build's marks (is the first one paying for
   // cold caches?).
   for (int rep = 1; rep < KDT_PAR_REPEAT; ++rep) {

@@ -289,6 +289,7 @@ KDT_HD int refine(Block& blk, const Arrays& A, Bound& bd, double lo, double hi, 
       if (s >= lo) hist_add(A.hist, bins.of(s));
     });
   });
+  blk.mark(5);
   int got = 0;
   const int j = blk.suffix_pick(A.hist, kBins, need, &got);
   if (j < 0) return 0;
@@ -328,12 +329,14 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
     if (emin < (1 << 30)) atomic_min_int(&S.emin, emin);
     if (emax > -(1 << 30)) atomic_max_int(&S.emax, emax);
   });
+  blk.mark(1);
   blk.run([&](int t) {
     if (t != 0) return;
     int lg = 0;
     while ((1 << lg) < L + 2) ++lg;
     if (S.emin < (1 << 30) && S.emax + lg > S.emin + 53) S.flags |= kInexact;
   });
+  blk.mark(4);
   if (S.flags) return -1;
   // chain[d] = lp[0][0] + ... + lp[d - 1][0] (exact now); fmin: the family's lowest chain score.
   blk.chain_sums(lp, L, K, kc, A.chain, &S.fmin);
@@ -480,6 +483,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
         }
       });
     }
+    blk.mark(20 + d);
     kept += end - le;
     lb = le;
     le = end;
