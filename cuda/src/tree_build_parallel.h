@@ -10,33 +10,36 @@
 //   - every float64 sum of at most L + 2 of them is exact: all log-probs are multiples of
 //     2^g (g: the lowest set bit over all of them) and (L + 2) * max|lp| < 2^(g + 53).
 // Then every reference score equals the exact sum of its path's log-probs (each chain operation
-// is exact), so a node scores s(parent) + lp[d][r], computed directly, bit for bit; no node
-// scores above its generator (a zero score takes the sign the chain gives it: zero_score); and
-// the heap pops exactly the B best nodes of the implicit tree
-// in (score desc, rank path asc) order. Inputs that fail the check (mixed magnitudes, positive
-// log-probs, unsorted rows) are declined and the caller runs the serial build: the result is the
-// reference's in every case.
+// is exact), so a node scores s(parent) + lp[d][r], computed directly, bit for bit (a zero score
+// takes the sign the chain gives it: zero_score); no node scores above its generator; and the
+// heap pops exactly the B best nodes of the implicit tree in (score desc, rank path asc) order.
+// Inputs that fail the check (mixed magnitudes, positive log-probs, unsorted rows, non-finite
+// values) are declined and the caller runs the serial build: the result is the reference's in
+// every case.
 //
 // The build (a pool of candidates in shared memory; t: a lower bound on the B-th best score):
-//   0. t from a family of known nodes: the rank-0 chain with one deviation at its end,
-//      (0, ..., 0, r), whose scores are prefix sums; its B-th best is <= the tree's B-th best.
+//   0. t from a family of nodes whose scores are known sums: the rank-0 chain with one deviation
+//      at its end, (0, ..., 0, r), and the depth-2 grid (r1 >= 1, r2) of side about sqrt(2 B);
+//      the family's B-th best is <= the tree's B-th best.
 //   1. Level by level, each kept node of the previous level gets a run of children, ranks
-//      0..c-1 with s(parent) + lp[d][r] >= t (c by binary search: scores fall along a row); runs
-//      are laid out by a block scan and written one entry per thread.
-//   2. t rises with a score histogram whenever the pool keeps many more than B nodes: if the
-//      bins at or above bin j hold >= B nodes, the B-th best is >= bin j's lower edge. A level
-//      whose runs would overflow the pool raises t over the pool and the runs first, then
+//      0..c-1 with s(parent) + lp[d][r] >= t (c by binary search: scores fall along a row),
+//      placed by a warp scan and one atomic per warp (Block::alloc), then written by a thread,
+//      a warp, or (one parent) the whole block.
+//   2. t rises with a 256-bin score histogram whenever the pool keeps more than 1.5 B nodes: if
+//      the bins at or above bin j hold >= B nodes, the B-th best is >= bin j's lower edge. A
+//      level whose runs would overflow the pool raises t over the pool and the runs first, then
 //      compacts the pool (stable; dropped nodes are below t, and so are their subtrees).
-//   3. The kept nodes are ordered by (score desc, rank path asc): rank counting up to 2 T of
-//      them, a bitonic sort above; the first B are nodes 1..B. Parents, child lists (prepend rule)
-//      follow from the order: a run is contiguous, so a node's left sibling is the entry before.
+//   3. The kept nodes are ordered by (score desc, rank path asc): a bucket sort on the score
+//      (1024 buckets), ranks counted inside a bucket; the first B are nodes 1..B. Parents and
+//      child lists (prepend rule) follow from the order: a run is contiguous, so a node's left
+//      sibling is the entry before it.
 // Masses of exact ties that overflow the pool even so are declined as well.
 //
 // The Block (tree_build.cu's GpuBlock, tree_build_cpu.cpp's CpuBlock) runs each phase for every
-// thread then synchronises (run), and provides two collectives: an exclusive scan and a suffix
-// pick over a histogram; mark(id) is a profiling probe (clock64 on the GPU when built with
-// KDT_PAR_PROFILE, else nothing). Code outside run() is uniform: it runs once on the CPU and on every
-// thread on the GPU, and writes no shared state.
+// thread then synchronises (run), and provides the collectives (an exclusive scan, a suffix pick
+// over a histogram, the chain prefix sums, a run allocation); mark(id) is a profiling probe
+// (clock64 on the GPU when built with KDT_PAR_PROFILE, else nothing). Code outside run() is
+// uniform: it runs once on the CPU and on every thread on the GPU, and writes no shared state.
 #pragma once
 
 #include <stdint.h>
