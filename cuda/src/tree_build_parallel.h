@@ -150,6 +150,7 @@ struct Shared {
   int emin, emax;           // lowest set bit / top bit exponents of the log-probs
   unsigned long long fmin;  // ordered minimum of the first threshold's family
   unsigned long long pmin;  // ordered minimum of the pool's scores (before t exists)
+  unsigned long long rmin;  // ordered minimum of a level's run tails (before t exists)
 };
 
 // One copy of the pool (compaction writes the other one).
@@ -181,6 +182,7 @@ KDT_HD void init(Shared& S) {
   S.emax = -(1 << 30);
   S.fmin = ~0ull;
   S.pmin = ~0ull;
+  S.rmin = ~0ull;
 }
 
 // Result arrays (node order), shared with the serial fallback.
@@ -281,23 +283,46 @@ struct Bound {
 
 // Bins the scores >= lo that visit(t, f) passes to f (hist must be zero), then raises the bound
 // to the lower edge of the highest bin j whose suffix (bins >= j) holds >= need of them: a valid
-// lower bound on the need-th best. Returns that suffix count (0: no change). hist is left dirty.
+// lower bound on the need-th best. When that suffix still holds more than `limit` scores (the
+// bins are linear over [lo, hi], and scores may crowd into one bin), up to two more passes bin
+// bin j alone, with need less the scores above it (a radix select). Returns the suffix count of
+// the final edge (0: no change). hist is left dirty.
 template <class Block, class Visit>
 KDT_HD int refine(Block& blk, const Arrays& A, Bound& bd, double lo, double hi, int need,
-                  Visit visit) {
-  Bins bins;
-  if (!make_bins(lo, hi, kBins, bins)) return 0;
-  blk.run([&](int t) {
-    visit(t, [&](double s) {
-      if (s >= lo) hist_add(A.hist, bins.of(s));
+                  int limit, Visit visit) {
+  int above = 0, got = 0;
+  bool top_bin = true;  // the range includes hi (pass 0, and the last bin after it)
+  double nt = 0.0;
+  for (int pass = 0; pass < 3; ++pass) {
+    Bins bins;
+    if (!make_bins(lo, hi, kBins, bins)) break;
+    if (pass > 0) {
+      blk.run([&](int t) {
+        for (int i = t; i < kBins; i += blk.threads()) A.hist[i] = 0;
+      });
+    }
+    const bool incl = top_bin;
+    blk.run([&](int t) {
+      visit(t, [&](double s) {
+        if (s >= lo && (s < hi || (incl && s == hi))) hist_add(A.hist, bins.of(s));
+      });
     });
-  });
-  blk.mark(5);
-  int got = 0;
-  const int j = blk.suffix_pick(A.hist, kBins, need, &got);
-  if (j < 0) return 0;
-  const double nt = bins.edge(j);
-  if (!bd.has || nt > bd.t) { bd.t = nt; bd.has = true; }
+    blk.mark(5);
+    int g = 0;
+    const int j = blk.suffix_pick(A.hist, kBins, need, &g);
+    if (j < 0) break;
+    nt = bins.edge(j);
+    got = above + g;
+    if (got <= limit) break;
+    const int in_j = A.hist[j];
+    blk.run([](int) {});  // every thread has read hist[j] before the next pass clears it
+    above += g - in_j;
+    need -= g - in_j;
+    top_bin = top_bin && j == kBins - 1;
+    lo = nt;
+    hi = j == kBins - 1 ? hi : bins.edge(j + 1);
+  }
+  if (got && (!bd.has || nt > bd.t)) { bd.t = nt; bd.has = true; }
   return got;
 }
 
@@ -355,7 +380,13 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
   const int nfam = L * kc + (g > 1 ? (g - 1) * g : 0);
   if (nfam >= budget) {
     const int nchain = L * kc;
-    refine(blk, A, bd, unordered(S.fmin), top, budget, [&](int t, auto f) {
+    // The family's lowest score: the chain deviations' (fmin) or the grid's last corner.
+    double flo = unordered(S.fmin);
+    if (g > 1) {
+      const double corner = (double)lp[g - 1] + (double)lp[(size_t)K + g - 1];
+      flo = corner < flo ? corner : flo;
+    }
+    refine(blk, A, bd, flo, top, budget, cap / 2, [&](int t, auto f) {
       for (int i = t; i < nfam; i += T) {  // one flat loop: few iterations per thread
         if (i < nchain) {
           const int d = i / kc, r = i - d * kc;
@@ -414,16 +445,21 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
       });
       if (attempt == 0) {
         // Raise t over the kept pool and the runs (scores below lo are not binned: lo is t, or
-        // before t exists the pool's lowest score).
+        // before t exists the lowest score of the pool and the runs).
         if (!bd.has && S.pmin == ~0ull) continue;
-        const double lo = bd.has ? bd.t : unordered(S.pmin);
         // The runs flattened: offsets by a scan of the lengths, an element's run by binary
-        // search (balanced, whatever the run lengths).
+        // search (balanced, whatever the run lengths). Before t exists, the runs' tails (their
+        // lowest scores) lower lo with the pool's lowest score.
         blk.run([&](int t) {
-          for (int q = t; q < m; q += T) A.cnt[q] = A.order[q];
+          for (int q = t; q < m; q += T) {
+            const int n = A.order[q];
+            A.cnt[q] = n;
+            if (!bd.has && n) atomic_min_u64(&S.rmin, ordered(P.score[lb + q] + (double)row[n - 1]));
+          }
         });
         const int total = blk.scan(A.cnt, m);
-        refine(blk, A, bd, lo, top, budget, [&](int t, auto f) {
+        const double lo = bd.has ? bd.t : unordered(S.pmin < S.rmin ? S.pmin : S.rmin);
+        refine(blk, A, bd, lo, top, budget, cap / 2, [&](int t, auto f) {
           for (int e = 1 + t; e < le; e += T) f(P.score[e]);
           for (int k = t; k < total; k += T) {
             int x = 0, y = m;  // the last run q with offset <= k
@@ -493,7 +529,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
     if (kept > budget + budget / 2 + 16) {
       const Pool P = A.pool(c);
       const double lo = bd.has ? bd.t : unordered(S.pmin);
-      const int got = refine(blk, A, bd, lo, top, budget, [&](int t, auto f) {
+      const int got = refine(blk, A, bd, lo, top, budget, cap / 2, [&](int t, auto f) {
         for (int e = 1 + t; e < le; e += T) f(P.score[e]);
       });
       if (got) kept = got;
