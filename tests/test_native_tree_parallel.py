@@ -36,9 +36,13 @@ def _check(monkeypatch, mode, rng, bs, L, K, budget, ties, seed, device="cpu", t
         monkeypatch.setenv("KDT_TREE_BUILD_THREADS", str(threads))
     args = random_build_inputs(rng, bs, L, K, ties)
     ref = ddtree.build_tree(*args[:2], budget, *args[2:])
-    got = native().build_tree(*args[:2], budget, *args[2:], device=device)
-    assert_same(got, ref, FIELDS_TREE, f"seed={seed} mode={mode} device={device} bs={bs} L={L} "
-                                       f"K={K} budget={budget} ties={ties} threads={threads}")
+    where = (f"seed={seed} mode={mode} device={device} bs={bs} L={L} K={K} budget={budget} "
+             f"ties={ties} threads={threads}")
+    try:
+        got = native().build_tree(*args[:2], budget, *args[2:], device=device)
+    except NativeError as e:  # e.g. parallel-strict declining: name the inputs to replay
+        raise AssertionError(f"{where}: {e}") from e
+    assert_same(got, ref, FIELDS_TREE, where)
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
