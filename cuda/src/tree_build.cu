@@ -178,23 +178,9 @@ __device__ void write_outputs(const TreeBuildArgs& a, int b, int n, int W, int u
                               const int16_t* fc, const int16_t* ns, const int64_t* ids) {
   const size_t o = (size_t)b * n;
   const int64_t seq_len = a.seq_lens[b];
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    if (i >= used) {
-      a.tokens[o + i] = -1; a.parents[o + i] = -1; a.depths[o + i] = -1;
-      a.positions[o + i] = -1; a.first_child[o + i] = -1; a.next_sibling[o + i] = -1;
-      if (a.scores) a.scores[o + i] = 0.0;
-      continue;
-    }
-    const uint32_t c = node_cand[i];
-    const int d = tree::cand_depth(c);
-    a.tokens[o + i] = i == 0 ? a.root_ids[b] : ids[(size_t)(d - 1) * a.K + tree::cand_rank(c)];
-    a.parents[o + i] = i == 0 ? -1 : tree::cand_parent(c);
-    a.depths[o + i] = d;
-    a.positions[o + i] = seq_len + d;
-    a.first_child[o + i] = fc[i];
-    a.next_sibling[o + i] = ns[i];
-    if (a.scores) a.scores[o + i] = node_score[i];
-  }
+  const int64_t root = a.root_ids[b];
+  for (int i = threadIdx.x; i < n; i += blockDim.x)
+    write_tree_slot(a, o, i, used, root, seq_len, node_cand, node_score, fc, ns, ids);
   block_write_visibility(a.visibility + o * W, n, W, used, node_cand);
   if (threadIdx.x == 0) a.num_nodes[b] = used;
 }
@@ -532,23 +518,8 @@ __device__ void warp_write_outputs(const TreeBuildArgs& a, int b, int n, int W, 
                                    const int16_t* fc, const int16_t* ns, const int64_t* ids,
                                    int64_t root, int64_t seq_len, int lane) {
   const size_t o = (size_t)b * n;
-  for (int i = lane; i < n; i += 32) {
-    if (i >= used) {
-      a.tokens[o + i] = -1; a.parents[o + i] = -1; a.depths[o + i] = -1;
-      a.positions[o + i] = -1; a.first_child[o + i] = -1; a.next_sibling[o + i] = -1;
-      if (a.scores) a.scores[o + i] = 0.0;
-      continue;
-    }
-    const uint32_t c = node_cand[i];
-    const int d = tree::cand_depth(c);
-    a.tokens[o + i] = i == 0 ? root : ids[(size_t)(d - 1) * a.K + tree::cand_rank(c)];
-    a.parents[o + i] = i == 0 ? -1 : tree::cand_parent(c);
-    a.depths[o + i] = d;
-    a.positions[o + i] = seq_len + d;
-    a.first_child[o + i] = fc[i];
-    a.next_sibling[o + i] = ns[i];
-    if (a.scores) a.scores[o + i] = node_score[i];
-  }
+  for (int i = lane; i < n; i += 32)
+    write_tree_slot(a, o, i, used, root, seq_len, node_cand, node_score, fc, ns, ids);
   write_visibility_rows(a.visibility + o * W, n, W, used, node_cand, lane, 32);
   if (lane == 0) a.num_nodes[b] = used;
 }

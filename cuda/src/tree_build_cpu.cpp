@@ -182,23 +182,9 @@ kdt_status tree_build_cpu(const TreeBuildArgs& a) {
     }
     if (used < 0) used = tree::build_one(lp, a.L, a.K, a.budget, s);
     const size_t o = (size_t)b * n;
-    for (int i = 0; i < n; ++i) {
-      if (i >= used) {
-        a.tokens[o + i] = -1; a.parents[o + i] = -1; a.depths[o + i] = -1;
-        a.positions[o + i] = -1; a.first_child[o + i] = -1; a.next_sibling[o + i] = -1;
-        if (a.scores) a.scores[o + i] = 0.0;
-        continue;
-      }
-      const uint32_t c = node_cand[i];
-      const int d = tree::cand_depth(c);
-      a.tokens[o + i] = i == 0 ? a.root_ids[b] : ids[(size_t)(d - 1) * a.K + tree::cand_rank(c)];
-      a.parents[o + i] = i == 0 ? -1 : tree::cand_parent(c);
-      a.depths[o + i] = d;
-      a.positions[o + i] = a.seq_lens[b] + d;
-      a.first_child[o + i] = first_child[i];
-      a.next_sibling[o + i] = next_sibling[i];
-      if (a.scores) a.scores[o + i] = node_score[i];
-    }
+    for (int i = 0; i < n; ++i)
+      write_tree_slot(a, o, i, used, a.root_ids[b], a.seq_lens[b], node_cand.data(),
+                      node_score.data(), first_child.data(), next_sibling.data(), ids);
     // Row i = its parent's row plus bit i (parents come first): one row copy per node. The
     // CUDA kernels walk each row's ancestors instead (tree_build.cu, write_visibility_rows).
     uint32_t* vis = a.visibility + (size_t)b * n * W;
