@@ -10,25 +10,9 @@ default, judged) and walk.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import sys
 
 import numpy as np
-
-
-@contextlib.contextmanager
-def env(name: str, value: str):
-    """os.environ[name] = value inside the block, the previous value (or none) after it."""
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
 
 
 def main() -> int:
@@ -37,7 +21,7 @@ def main() -> int:
     from bench.inputs import accept_target, tree_inputs
     from bench.native_calls import prepare_tree_accept, prepare_tree_build
     from bench.timing import summarize, time_cpu, time_cuda, time_cuda_graph
-    from bench.tree_algo import side_stream, tree_algo
+    from bench.tree_algo import env, side_stream, tree_algo
     from bench.validate import ACCEPT_FIELDS, TREE_FIELDS, check_exact
     from engine.native import library
     from engine.reference import ddtree
