@@ -78,18 +78,9 @@ KDT_HD double unordered(uint64_t u) {
   return v.d;
 }
 
-// Shared-memory atomics (aggregated over the warp on CUDA); the CPU's plain updates give the
-// same values (sums, minima and maxima do not depend on the order).
-KDT_HD int atomic_add(int* p, int v) {
-#if defined(__CUDA_ARCH__)
-  return atomicAdd(p, v);
-#else
-  const int old = *p;
-  *p += v;
-  return old;
-#endif
-}
-// The next three combine the warp's active lanes first (one atomic per warp).
+// Shared-memory atomics; the CPU's plain updates give the same values (sums, minima and maxima
+// do not depend on the order). These combine the warp's active lanes first (one atomic per
+// warp, or per warp and bin in hist_add), but for atomic_min_u64.
 KDT_HD void atomic_min_int(int* p, int v) {
 #if defined(__CUDA_ARCH__)
   const unsigned m = __activemask();
