@@ -151,10 +151,24 @@ __device__ void write_visibility_rows(uint32_t* vis, int n, int W, int used,
 // The block writer: every word zeroed with consecutive threads on consecutive words, a block
 // barrier (it orders the block's global writes), then each row's walk ORs nothing but stores
 // only its nonzero words (at most depth + 1 of them).
+// Zeroes p[0, count) with the whole block: 16-byte stores between a scalar head and tail.
+__device__ void block_zero(uint32_t* p, int count) {
+  const int head = min(count, (int)((16 - (reinterpret_cast<uintptr_t>(p) & 15)) & 15) / 4);
+  const int body = (count - head) / 4;
+  uint4* v = reinterpret_cast<uint4*>(p + head);
+  for (int k = threadIdx.x; k < body; k += blockDim.x) v[k] = make_uint4(0u, 0u, 0u, 0u);
+  const int t = threadIdx.x;
+  if (t < head) p[t] = 0u;
+  const int tail = head + 4 * body;
+  if (t < count - tail) p[tail + t] = 0u;
+}
+
+template <class Mark>
 __device__ void block_write_visibility(uint32_t* vis, int n, int W, int used,
-                                       const uint32_t* node_cand) {
-  for (int k = threadIdx.x; k < n * W; k += blockDim.x) vis[k] = 0u;
+                                       const uint32_t* node_cand, Mark mark) {
+  block_zero(vis, n * W);
   __syncthreads();
+  mark(97);
   for (int i = threadIdx.x; i < used; i += blockDim.x) {
     uint32_t* row = vis + (size_t)i * W;
     int cw = i >> 5;
@@ -172,16 +186,19 @@ __device__ void block_write_visibility(uint32_t* vis, int n, int W, int used,
 }
 
 // The whole block writes one request's outputs from the node arrays (node order, slot 0 the
-// root): slots, links, visibility words.
+// root): slots, links, visibility words. mark(id): a profiling probe.
+template <class Mark>
 __device__ void write_outputs(const TreeBuildArgs& a, int b, int n, int W, int used,
                               const uint32_t* node_cand, const double* node_score,
-                              const int16_t* fc, const int16_t* ns, const int64_t* ids) {
+                              const int16_t* fc, const int16_t* ns, const int64_t* ids,
+                              Mark mark) {
   const size_t o = (size_t)b * n;
   const int64_t seq_len = a.seq_lens[b];
   const int64_t root = a.root_ids[b];
   for (int i = threadIdx.x; i < n; i += blockDim.x)
     write_tree_slot(a, o, i, used, root, seq_len, node_cand, node_score, fc, ns, ids);
-  block_write_visibility(a.visibility + o * W, n, W, used, node_cand);
+  mark(96);
+  block_write_visibility(a.visibility + o * W, n, W, used, node_cand, mark);
   if (threadIdx.x == 0) a.num_nodes[b] = used;
 }
 
@@ -214,7 +231,8 @@ __global__ void __launch_bounds__(kThreads) tree_build_kernel(TreeBuildArgs a) {
   }
   __syncthreads();
 
-  write_outputs(a, b, n, W, used, s.node_cand, s.node_score, s.first_child, s.next_sibling, ids);
+  write_outputs(a, b, n, W, used, s.node_cand, s.node_score, s.first_child, s.next_sibling, ids,
+                [](int) {});
 }
 
 // The block as tree_build_parallel.h wants it: a phase runs on every thread, then a barrier;
@@ -226,6 +244,7 @@ struct GpuBlock {
   int nmark = 0;
   long long marks[96];
   int ids[96];
+  int nall = 0;
 #endif
   __device__ int threads() const { return blockDim.x; }
   // chain[d + 1] = lp[0][0] + ... + lp[d][0] (chain[0] = 0; L <= 32: one lane per depth, a
@@ -252,34 +271,54 @@ struct GpuBlock {
     }
     __syncthreads();
   }
-  // Places n entries after *counter for every thread (a collective of whole warps): the warp's
-  // scan of n, one atomic per warp.
-  __device__ int alloc(int* counter, int n) {
-    const int lane = threadIdx.x & 31;
-    const int incl = warp_inclusive(n, lane);
+  // For q < m: lens[q] = len(q) and off[q] = lens[0] + ... + lens[q - 1]; returns the total.
+  // A chunk of T entries at a time: warp scans, the warps' totals through wsum, two barriers
+  // (the second makes off and lens visible and frees wsum).
+  template <class F>
+  __device__ int offsets(int m, int* off, uint16_t* lens, F len) {
+    const int t = threadIdx.x, lane = t & 31, w = t >> 5, nw = blockDim.x >> 5;
     int base = 0;
-    if (lane == 31 && incl) base = atomicAdd(counter, incl);
-    base = __shfl_sync(kFull, base, 31);
-    return base + incl - n;
+    for (int q0 = 0; q0 < m; q0 += blockDim.x) {
+      const int q = q0 + t;
+      const int n = q < m ? len(q) : 0;
+      const int incl = warp_inclusive(n, lane);
+      if (lane == 31) wsum[w] = incl;
+      __syncthreads();
+      int before = 0, all = 0;
+      for (int i = 0; i < nw; ++i) {
+        const int v = wsum[i];
+        before += i < w ? v : 0;
+        all += v;
+      }
+      if (q < m) {
+        off[q] = base + before + incl - n;
+        lens[q] = (uint16_t)n;
+      }
+      base += all;
+      __syncthreads();
+    }
+    return base;
   }
   // Profiling probe (development builds with -DKDT_PAR_PROFILE): thread 0 of block 0 records
   // the cycle counter; print_marks prints the intervals.
   __device__ void mark(int id) {
 #if defined(KDT_PAR_PROFILE)
-    if (threadIdx.x == 0 && blockIdx.x == 0 && nmark < 96) {
+    if (threadIdx.x == 0 && nmark < 96) {
       marks[nmark] = clock64();
       ids[nmark++] = id;
     }
+    if (threadIdx.x == 0) ++nall;
 #else
     (void)id;
 #endif
   }
   __device__ void print_marks() {
 #if defined(KDT_PAR_PROFILE)
-    if (threadIdx.x == 0 && blockIdx.x == 0) {
+    if (threadIdx.x == 0) printf("BLK %d %lld %d\n", (int)blockIdx.x, clock64() - t0, nall);
+    if (threadIdx.x == 0) {
       long long prev = t0;
       for (int i = 0; i < nmark; ++i) {
-        printf("PROF %d %lld\n", ids[i], marks[i] - prev);
+        printf("PROF %d %d %lld\n", (int)blockIdx.x, ids[i], marks[i] - prev);
         prev = marks[i];
       }
     }
@@ -441,6 +480,7 @@ __global__ void tree_build_parallel_kernel(TreeBuildArgs a, int cap) {
     if (threadIdx.x == 0) tree::par::init(S);
     __syncthreads();
     blk.nmark = 0;
+    blk.nall = 0;
     blk.t0 = clock64();
   }
 #endif
@@ -464,7 +504,8 @@ __global__ void tree_build_parallel_kernel(TreeBuildArgs a, int cap) {
     __syncthreads();
     u = used;
   }
-  write_outputs(a, b, n, W, u, node_cand, node_score, first_child, next_sibling, ids);
+  write_outputs(a, b, n, W, u, node_cand, node_score, first_child, next_sibling, ids,
+                [&](int id) { blk.mark(id); });
   blk.mark(99);
   blk.print_marks();
 }

@@ -43,10 +43,18 @@ struct CpuBlock {
     }
     *fmin = lo;
   }
-  KDT_HD int alloc(int* counter, int n) {
-    const int b = *counter;
-    *counter += n;
-    return b;
+  template <class F>
+  KDT_HD int offsets(int m, int* off, uint16_t* lens, F len) {
+    int s = 0;
+#if !defined(__CUDA_ARCH__)
+    for (int q = 0; q < m; ++q) {
+      const int n = len(q);
+      off[q] = s;
+      lens[q] = (uint16_t)n;
+      s += n;
+    }
+#endif
+    return s;
   }
   template <class F>
   KDT_HD void run(F f) {

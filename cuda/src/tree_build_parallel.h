@@ -23,8 +23,9 @@
 //      the family's B-th best is <= the tree's B-th best.
 //   1. Level by level, each kept node of the previous level gets a run of children, ranks
 //      0..c-1 with s(parent) + lp[d][r] >= t (c by binary search: scores fall along a row),
-//      placed by a warp scan and one atomic per warp (Block::alloc), then written by a thread,
-//      a warp, or (one parent) the whole block.
+//      placed by a block scan of the lengths (runs in parent order), then written flattened:
+//      thread i writes elements i, i + T, ..., each finding its run by binary search over the
+//      offsets, so a level costs the same whatever its run lengths.
 //   2. t rises with a 256-bin score histogram whenever the pool keeps more than 1.5 B nodes: if
 //      the bins at or above bin j hold >= B nodes, the B-th best is >= bin j's lower edge. A
 //      level whose runs would overflow the pool raises t over the pool and the runs first, then
@@ -36,8 +37,8 @@
 // Masses of exact ties that overflow the pool even so are declined as well.
 //
 // The Block (tree_build.cu's GpuBlock, tree_build_cpu.cpp's CpuBlock) runs each phase for every
-// thread then synchronises (run), and provides the collectives (an exclusive scan, a suffix pick
-// over a histogram, the chain prefix sums, a run allocation); mark(id) is a profiling probe
+// thread then synchronises (run), and provides the collectives (an exclusive scan, run lengths
+// with their offsets, a suffix pick over a histogram, the chain prefix sums); mark(id) is a profiling probe
 // (clock64 on the GPU when built with KDT_PAR_PROFILE, else nothing). Code outside run() is
 // uniform: it runs once on the CPU and on every thread on the GPU, and writes no shared state.
 #pragma once
@@ -79,8 +80,8 @@ KDT_HD double unordered(uint64_t u) {
 }
 
 // Shared-memory atomics; the CPU's plain updates give the same values (sums, minima and maxima
-// do not depend on the order). These combine the warp's active lanes first (one atomic per
-// warp, or per warp and bin in hist_add), but for atomic_min_u64.
+// do not depend on the order). atomic_min_int, atomic_max_int and atomic_or combine the warp's
+// active lanes first (one atomic per warp).
 KDT_HD void atomic_min_int(int* p, int v) {
 #if defined(__CUDA_ARCH__)
   const unsigned m = __activemask();
@@ -99,17 +100,12 @@ KDT_HD void atomic_max_int(int* p, int v) {
   if (v > *p) *p = v;
 #endif
 }
-// hist[bin] += 1, returning this lane's slot (the count before it); lanes with equal bins
-// aggregated.
+// hist[bin] += 1, returning this lane's slot (the count before it). A plain shared atomic:
+// aggregating a warp's equal bins first (match_any) measured slower on the H200 (the family's
+// binning at budget 63: 7.8k cycles against 4.8k).
 KDT_HD int hist_add(int* hist, int bin) {
 #if defined(__CUDA_ARCH__)
-  const unsigned m = __activemask();
-  const unsigned peers = __match_any_sync(m, bin);
-  const int lane = (int)(threadIdx.x & 31), leader = __ffs((int)peers) - 1;
-  int base = 0;
-  if (lane == leader) base = atomicAdd(&hist[bin], __popc(peers));
-  base = __shfl_sync(peers, base, leader);
-  return base + __popc(peers & ((1u << lane) - 1u));
+  return atomicAdd(&hist[bin], 1);
 #else
   return hist[bin]++;
 #endif
@@ -136,7 +132,6 @@ enum : int { kAnomaly = 1, kInexact = 2, kOverflow = 4 };
 // The CTA's shared scalars (written inside phases, by one thread or atomically; read after a
 // barrier and never modified before the next barrier).
 struct Shared {
-  int alloc;                // pool entries allocated
   int flags;                // kAnomaly | kInexact | kOverflow
   int emin, emax;           // lowest set bit / top bit exponents of the log-probs
   unsigned long long fmin;  // ordered minimum of the first threshold's family
@@ -167,7 +162,6 @@ struct Arrays {
 
 // Before each request: the scalars' starting values.
 KDT_HD void init(Shared& S) {
-  S.alloc = 1;
   S.flags = 0;
   S.emin = 1 << 30;
   S.emax = -(1 << 30);
@@ -255,6 +249,18 @@ KDT_HD int count_at_least(const float* row, int kc, double s, double t) {
     if (s + (double)row[mid] >= t) lo = mid; else hi = mid;
   }
   return lo + 1;
+}
+
+// The run of flattened element k: the last q < m with off[q] <= k (off: exclusive offsets of
+// the runs, off[0] = 0 <= k < total). An empty run shares its offset with the next, so q's run
+// holds k.
+KDT_HD int run_of(const int* off, int m, int k) {
+  int x = 0, y = m;
+  while (y - x > 1) {
+    const int mid = (x + y) >> 1;
+    if (off[mid] <= k) x = mid; else y = mid;
+  }
+  return x;
 }
 
 // A score that sums to zero (every log-prob on its path is +-0.0) with the sign the reference's
@@ -395,66 +401,48 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
   for (int d = 1; d <= L; ++d) {
     const float* row = lp + (size_t)(d - 1) * K;
     int end = le;
+    int total = 0;
     for (int attempt = 0;; ++attempt) {
       const int m = le - lb;
       const Bound b = bd;
       const Pool P = A.pool(c);
-      // Each kept parent's run: its length by binary search and its place (blk.alloc: a warp
-      // scan and one atomic per warp); with one parent, every thread computes the length.
-      blk.run([&](int t) {
-        for (int i = t; i < kBins; i += T) A.hist[i] = 0;
-        if (m == 1) {
-          if (t != 0) return;
-          const double s = P.score[lb];
-          const int n = !b.has ? kc : (s + (double)row[0] >= b.t ? count_at_least(row, kc, s, b.t) : 0);
-          A.cnt[0] = le;
-          A.order[0] = (uint16_t)n;
-          S.alloc = le + n;
-          return;
-        }
-        for (int q0 = 0; q0 < m; q0 += T) {  // uniform trip count: blk.alloc is a collective
-          const int q = q0 + t;
-          int n = 0;
-          if (q < m) {
-            const double s = P.score[lb + q];
-            n = !b.has ? kc : (s + (double)row[0] >= b.t ? count_at_least(row, kc, s, b.t) : 0);
-          }
-          const int base = blk.alloc(&S.alloc, n);
-          if (q < m) { A.cnt[q] = base; A.order[q] = (uint16_t)n; }
-        }
+      // Each kept parent's run length by binary search (A.order) and the runs' exclusive
+      // offsets in parent order (A.cnt), so that the runs are contiguous in order.
+      total = blk.offsets(m, A.cnt, A.order, [&](int q) {
+        const double s = P.score[lb + q];
+        return !b.has ? kc : (s + (double)row[0] >= b.t ? count_at_least(row, kc, s, b.t) : 0);
       });
-      end = S.alloc;
-      blk.run([](int) {});  // every thread has read the scalar
+      end = le + total;
       blk.mark(10 + d);
       if (end <= cap) break;
       if (attempt == 2) {
         blk.run([&](int t) { if (t == 0) S.flags |= kOverflow; });
         return -1;
       }
-      blk.run([&](int t) {
-        if (t == 0) S.alloc = le;
-      });
       if (attempt == 0) {
         // Raise t over the kept pool and the runs (scores below lo are not binned: lo is t, or
-        // before t exists the lowest score of the pool and the runs).
+        // before t exists the lowest score of the pool and the runs' tails). The runs are
+        // flattened: an element's run by binary search over the offsets (balanced, whatever the
+        // run lengths).
         if (!bd.has && S.pmin == ~0ull) continue;
-        // The runs flattened: offsets by a scan of the lengths, an element's run by binary
-        // search (balanced, whatever the run lengths). Before t exists, the runs' tails (their
-        // lowest scores) lower lo with the pool's lowest score.
         blk.run([&](int t) {
+          for (int i = t; i < kBins; i += T) A.hist[i] = 0;
+          if (bd.has) return;
+          unsigned long long lo = ~0ull;
           for (int q = t; q < m; q += T) {
             const int n = A.order[q];
-            A.cnt[q] = n;
-            if (!bd.has && n) atomic_min_u64(&S.rmin, ordered(P.score[lb + q] + (double)row[n - 1]));
+            if (n) {
+              const unsigned long long u = ordered(P.score[lb + q] + (double)row[n - 1]);
+              lo = u < lo ? u : lo;
+            }
           }
+          if (lo != ~0ull) atomic_min_u64(&S.rmin, lo);
         });
-        const int total = blk.scan(A.cnt, m);
         const double lo = bd.has ? bd.t : unordered(S.pmin < S.rmin ? S.pmin : S.rmin);
         refine(blk, A, bd, lo, top, budget, cap / 2, [&](int t, auto f) {
           for (int e = 1 + t; e < le; e += T) f(P.score[e]);
           for (int k = t; k < total; k += T) {
-            int x = 0, y = m;  // the last run q with offset <= k
-            while (y - x > 1) { const int mid = (x + y) >> 1; if (A.cnt[mid] <= k) x = mid; else y = mid; }
+            const int x = run_of(A.cnt, m, k);
             f(P.score[lb + x] + (double)row[k - A.cnt[x]]);
           }
         });
@@ -466,7 +454,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
         blk.run([&](int t) {
           for (int e = t; e < le; e += T) A.cnt[e] = (e == 0 || all || P.score[e] >= tt);
         });
-        const int total = blk.scan(A.cnt, le);
+        const int kept_c = blk.scan(A.cnt, le);
         blk.run([&](int t) {
           for (int e = t; e < le; e += T) {
             if (!(e == 0 || all || P.score[e] >= tt)) continue;
@@ -477,40 +465,36 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
             Q.cand[ne] =
                 e == 0 ? 0u : pack((uint32_t)A.cnt[cand_parent(cd)], cand_rank(cd), cand_depth(cd));
           }
-          if (t == 0) S.alloc = total;
         });
         lb = A.cnt[lb];
-        le = total;
+        le = kept_c;
         c ^= 1;
         blk.run([](int) {});  // every thread has read cnt
       }
     }
     if (end == le) break;  // no children: no deeper level either
-    // Write the runs: each parent's run by its thread, or one parent's by all threads.
+    // Write the runs, flattened: element k of the level is rank k - offset of run q, the last
+    // run whose offset is <= k (an empty run shares its offset with the next one).
     {
       const Pool P = A.pool(c);
       const int m = le - lb;
-      // One parent: all threads on its run; a few: a warp per run; many: a thread per run.
-      const int mode = m == 1 ? 0 : (m <= T / 8 ? 1 : 2);
       blk.run([&](int t) {
-        const int q0 = mode == 0 ? 0 : (mode == 1 ? t >> 5 : t);
-        const int qs = mode == 0 ? 1 : (mode == 1 ? T >> 5 : T);
-        for (int q = q0; q < m; q += qs) {
-          const int p = lb + q, n = A.order[q], base = A.cnt[q];
+        for (int i = t; i < kBins; i += T) A.hist[i] = 0;  // for a refinement next
+        unsigned long long lo = ~0ull;
+        for (int k = t; k < total; k += T) {
+          const int q = run_of(A.cnt, m, k);
+          const int p = lb + q, r = k - A.cnt[q];
           const double s = P.score[p];
-          const uint64_t pk = P.key[p];
-          const int r0 = mode == 0 ? t : (mode == 1 ? (t & 31) : 0);
-          const int rs = mode == 0 ? T : (mode == 1 ? 32 : 1);
-          for (int r = r0; r < n; r += rs) {
-            double sc = s + (double)row[r];
-            if (sc == 0.0) sc = zero_score(row, s, r, d);
-            const int e = base + r;
-            P.score[e] = sc;
-            P.cand[e] = pack((uint32_t)p, (uint32_t)r, (uint32_t)d);
-            P.key[e] = child_key(A, pk, r, d);
-            if (!bd.has) atomic_min_u64(&S.pmin, ordered(sc));
-          }
+          double sc = s + (double)row[r];
+          if (sc == 0.0) sc = zero_score(row, s, r, d);
+          const int e = le + k;
+          P.score[e] = sc;
+          P.cand[e] = pack((uint32_t)p, (uint32_t)r, (uint32_t)d);
+          P.key[e] = child_key(A, P.key[p], r, d);
+          const unsigned long long u = ordered(sc);
+          lo = u < lo ? u : lo;
         }
+        if (!bd.has && lo != ~0ull) atomic_min_u64(&S.pmin, lo);
       });
     }
     blk.mark(20 + d);
@@ -549,18 +533,33 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
   });
   const int kept_n = blk.scan(A.hist, kOrderBins);  // hist: each bucket's first position
   blk.mark(80);
+  // Bucket by bucket: the entries (srt) with their scores and keys beside them, in the other
+  // pool (free now), so that counting an entry's rank in its bucket reads independent values.
+  const Pool Q = A.pool(c ^ 1);
   blk.run([&](int t) {
     for (int e = 1 + t; e < n; e += T) {
       const int v = A.cnt[e];
-      if (v >= 0) A.srt[A.hist[v >> 16] + (v & 0xFFFF)] = (uint16_t)e;
+      if (v < 0) continue;
+      const int q = A.hist[v >> 16] + (v & 0xFFFF);
+      A.srt[q] = (uint16_t)e;
+      Q.score[q] = P.score[e];
+      Q.key[q] = P.key[e];
     }
   });
   blk.run([&](int t) {
     for (int q = t; q < kept_n; q += T) {
       const int e = A.srt[q], bk = A.cnt[e] >> 16;
       const int b0 = A.hist[bk], b1 = bk + 1 < kOrderBins ? A.hist[bk + 1] : kept_n;
+      const double se = Q.score[q];
+      const uint64_t ke = Q.key[q];
       int r = b0;
-      for (int k = b0; k < b1; ++k) r += A.srt[k] != e && before(P, A.key_depth, A.srt[k], e);
+      for (int k = b0; k < b1; ++k) {  // before(), the scores and keys first
+        const double sk = Q.score[k];
+        if (sk != se) { r += sk > se; continue; }
+        const uint64_t kk = Q.key[k];
+        if (kk != ke) { r += kk < ke; continue; }
+        r += k != q && before(P, A.key_depth, A.srt[k], e);
+      }
       if (r < budget) { A.inv[e] = (int16_t)(r + 1); A.order[r] = (uint16_t)e; }
     }
   });
