@@ -299,8 +299,8 @@ struct GpuBlock {
     }
     return base;
   }
-  // Profiling probe (development builds with -DKDT_PAR_PROFILE): thread 0 of block 0 records
-  // the cycle counter; print_marks prints the intervals.
+  // Profiling probe (development builds with -DKDT_PAR_PROFILE): thread 0 of every block
+  // records the cycle counter; print_marks prints each block's intervals and total.
   __device__ void mark(int id) {
 #if defined(KDT_PAR_PROFILE)
     if (threadIdx.x == 0 && nmark < 96) {
