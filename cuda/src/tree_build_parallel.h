@@ -38,9 +38,10 @@
 //
 // The Block (tree_build.cu's GpuBlock, tree_build_cpu.cpp's CpuBlock) runs each phase for every
 // thread then synchronises (run), and provides the collectives (an exclusive scan, run lengths
-// with their offsets, a suffix pick over a histogram, the chain prefix sums); mark(id) is a profiling probe
-// (clock64 on the GPU when built with KDT_PAR_PROFILE, else nothing). Code outside run() is
-// uniform: it runs once on the CPU and on every thread on the GPU, and writes no shared state.
+// with their offsets, a suffix pick over a histogram, the chain prefix sums); mark(id) is a
+// profiling probe (clock64 on the GPU when built with KDT_PAR_PROFILE, else nothing). Code
+// outside run() is uniform: it runs once on the CPU and on every thread on the GPU, and writes
+// no shared state.
 #pragma once
 
 #include <stdint.h>
