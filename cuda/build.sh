@@ -2,8 +2,10 @@
 # cuda/build.sh: build libkdtree.so, the native test programs and the benchmark program.
 #
 #   cuda/build.sh --arch <sm_90|sm_90a|sm_120|native|cpu|sm_90a,sm_90,sm_120> --out DIR [--jobs N] [--debug]
-#                 [--generator auto|direct|cmake]
+#                 [--generator auto|direct|cmake] [--define NAME[=VALUE]]...
 #
+# --define adds a preprocessor definition to every library source (development switches, e.g.
+# KDT_PAR_PROFILE for the parallel tree build's cycle probes: bench/tree_profile.py).
 # Needs only g++ (and nvcc for a CUDA arch): no cmake. With --generator cmake (or auto when
 # cmake and nvcc are present and cuda/CMakeLists.txt exists) the same build goes through CMake.
 # Every compile and link line is recorded in DIR/build_info.json (and DIR/compile_commands.txt)
@@ -11,10 +13,10 @@
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-arch=""; out=""; jobs=""; debug=0; generator=direct
+arch=""; out=""; jobs=""; debug=0; generator=direct; defines=()
 
 die() { echo "error: build: $*" >&2; exit 4; }
-usage() { sed -n '2,11p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,14p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -23,6 +25,10 @@ while [ $# -gt 0 ]; do
     --jobs) jobs=${2:-}; shift 2 ;;
     --debug) debug=1; shift ;;
     --generator) generator=${2:-}; shift 2 ;;
+    --define)
+      [[ "${2:-}" =~ ^[A-Za-z_][A-Za-z0-9_]*(=[A-Za-z0-9_.+-]*)?$ ]] \
+        || { echo "error: build: --define: '${2:-}' is not NAME or NAME=VALUE (letters, digits, _ . + -)" >&2; exit 5; }
+      defines+=("$2"); shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) usage >&2; echo "error: build: unknown argument '$1'" >&2; exit 5 ;;
   esac
@@ -72,7 +78,8 @@ fi
 if [ "$generator" = cmake ]; then
   [ -f "$here/cmake_build.sh" ] || die "--generator cmake: cuda/cmake_build.sh is missing"
   dbg=(); [ "$debug" = 1 ] && dbg=(--debug)
-  exec bash "$here/cmake_build.sh" --arch "$arch" --out "$out" --jobs "$jobs" "${dbg[@]}"
+  defs=(); for d in "${defines[@]}"; do defs+=(--define "$d"); done
+  exec bash "$here/cmake_build.sh" --arch "$arch" --out "$out" --jobs "$jobs" "${dbg[@]}" "${defs[@]}"
 fi
 [ "$generator" = direct ] || { echo "error: build: --generator must be auto, direct or cmake" >&2; exit 5; }
 
@@ -86,6 +93,7 @@ cxxflags=("${opt[@]}" -std=c++17 -fPIC -fvisibility=hidden -Wall -Wextra -I"$her
 nvccflags=("${opt[@]}" -std=c++17 -Xcompiler=-fPIC,-fvisibility=hidden -I"$here/include" -I"$here/src"
            --expt-relaxed-constexpr)
 [ "$use_cuda" = 1 ] && cxxflags+=(-DKDT_WITH_CUDA) && nvccflags+=(-DKDT_WITH_CUDA)
+for d in "${defines[@]}"; do cxxflags+=("-D$d"); nvccflags+=("-D$d"); done
 
 # ---- compile: one line per source, run in parallel, each recorded -------------------------
 cmds=()

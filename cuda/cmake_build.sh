@@ -5,18 +5,23 @@
 # and link line (from CMake's link.txt files).
 #
 #   cuda/cmake_build.sh --arch <sm_90|sm_90a|sm_120|sm_90,sm_120|native|cpu> --out DIR [--jobs N] [--debug]
+#                       [--define NAME[=VALUE]]...
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-arch=""; out=""; jobs=""; debug=0
+arch=""; out=""; jobs=""; debug=0; defines=""
 die() { echo "error: build: $*" >&2; exit 4; }
-usage() { sed -n '2,7p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,8p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --arch) arch=${2:-}; shift 2 ;;
     --out) out=${2:-}; shift 2 ;;
     --jobs) jobs=${2:-}; shift 2 ;;
     --debug) debug=1; shift ;;
+    --define)
+      [[ "${2:-}" =~ ^[A-Za-z_][A-Za-z0-9_]*(=[A-Za-z0-9_.+-]*)?$ ]] \
+        || { echo "error: build: --define: '${2:-}' is not NAME or NAME=VALUE (letters, digits, _ . + -)" >&2; exit 5; }
+      defines="${defines:+$defines;}$2"; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) usage >&2; echo "error: build: unknown argument '$1'" >&2; exit 5 ;;
   esac
@@ -36,6 +41,7 @@ cuda_compiler=()
 [ "$arch" != cpu ] && cuda_compiler=(-DCMAKE_CUDA_COMPILER="$(command -v nvcc)")
 echo "build: cmake configure for --arch $arch in $out/cmake"
 cmake -S "$here" -B "$out/cmake" -DKDT_ARCH="$arch" -DKDT_OUT="$out" -DCMAKE_BUILD_TYPE="$btype" \
+  -DKDT_DEFINES="$defines" \
   "${cuda_compiler[@]}" >"$out/cmake_configure.log" 2>&1 \
   || { tail -n 30 "$out/cmake_configure.log" >&2; die "cmake configure failed (log: $out/cmake_configure.log)"; }
 echo "build: cmake --build with $jobs jobs"

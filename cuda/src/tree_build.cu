@@ -242,8 +242,8 @@ struct GpuBlock {
 #if defined(KDT_PAR_PROFILE)
   long long t0 = 0;
   int nmark = 0;
-  long long marks[96];
-  int ids[96];
+  long long marks[192];
+  int ids[192];
   int nall = 0;
 #endif
   __device__ int threads() const { return blockDim.x; }
@@ -303,7 +303,7 @@ struct GpuBlock {
   // records the cycle counter; print_marks prints each block's intervals and total.
   __device__ void mark(int id) {
 #if defined(KDT_PAR_PROFILE)
-    if (threadIdx.x == 0 && nmark < 96) {
+    if (threadIdx.x == 0 && nmark < 192) {
       marks[nmark] = clock64();
       ids[nmark++] = id;
     }

@@ -39,9 +39,10 @@
 // The Block (tree_build.cu's GpuBlock, tree_build_cpu.cpp's CpuBlock) runs each phase for every
 // thread then synchronises (run), and provides the collectives (an exclusive scan, run lengths
 // with their offsets, a suffix pick over a histogram, the chain prefix sums); mark(id) is a
-// profiling probe (clock64 on the GPU when built with KDT_PAR_PROFILE, else nothing). Code
-// outside run() is uniform: it runs once on the CPU and on every thread on the GPU, and writes
-// no shared state.
+// profiling probe (clock64 on the GPU when built with KDT_PAR_PROFILE, else nothing; an id
+// names the phase that ends there, level d's are 100 + d, 200 + d and 300 + d; see
+// bench/tree_profile.py). Code outside run() is uniform: it runs once on the CPU and on every
+// thread on the GPU, and writes no shared state.
 #pragma once
 
 #include <stdint.h>
@@ -414,7 +415,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
         return !b.has ? kc : (s + (double)row[0] >= b.t ? count_at_least(row, kc, s, b.t) : 0);
       });
       end = le + total;
-      blk.mark(10 + d);
+      blk.mark(100 + d);
       if (end <= cap) break;
       if (attempt == 2) {
         blk.run([&](int t) { if (t == 0) S.flags |= kOverflow; });
@@ -498,7 +499,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
         if (!bd.has && lo != ~0ull) atomic_min_u64(&S.pmin, lo);
       });
     }
-    blk.mark(20 + d);
+    blk.mark(200 + d);
     kept += end - le;
     lb = le;
     le = end;
@@ -510,7 +511,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
       });
       if (got) kept = got;
     }
-    blk.mark(40 + d);
+    blk.mark(300 + d);
   }
   // ---- 3. the order: buckets by score (a bucket sort), ranks counted inside a bucket --------
   const int n = le;
