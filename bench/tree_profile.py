@@ -32,7 +32,7 @@ from dataclasses import dataclass
 PHASES = {
     0: "staging", 1: "exactness check", 4: "exactness verdict", 2: "chain sums",
     5: "histogram pass", 3: "first threshold", 80: "order: buckets", 81: "order: ranks",
-    82: "nodes", 96: "slots", 97: "visibility zeroed", 99: "visibility rows",
+    85: "order: placed", 82: "nodes", 96: "slots", 97: "visibility zeroed", 99: "visibility rows",
 }
 LEVEL_PHASES = {1: "runs", 2: "write", 3: "bound check"}
 

@@ -548,6 +548,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
       Q.key[q] = P.key[e];
     }
   });
+  blk.mark(85);
   blk.run([&](int t) {
     for (int q = t; q < kept_n; q += T) {
       const int e = A.srt[q], bk = A.cnt[e] >> 16;
