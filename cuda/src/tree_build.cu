@@ -148,9 +148,6 @@ __device__ void write_visibility_rows(uint32_t* vis, int n, int W, int used,
   }
 }
 
-// The block writer: every word zeroed with consecutive threads on consecutive words, a block
-// barrier (it orders the block's global writes), then each row's walk ORs nothing but stores
-// only its nonzero words (at most depth + 1 of them).
 // Zeroes p[0, count) with the whole block: 16-byte stores between a scalar head and tail.
 __device__ void block_zero(uint32_t* p, int count) {
   const int head = min(count, (int)((16 - (reinterpret_cast<uintptr_t>(p) & 15)) & 15) / 4);
@@ -163,6 +160,9 @@ __device__ void block_zero(uint32_t* p, int count) {
   if (t < count - tail) p[tail + t] = 0u;
 }
 
+// The block writer: every word zeroed (block_zero), a block barrier (it orders the block's
+// global writes), then each row's walk ORs nothing but stores only its nonzero words (at most
+// depth + 1 of them). mark(id): a profiling probe.
 template <class Mark>
 __device__ void block_write_visibility(uint32_t* vis, int n, int W, int used,
                                        const uint32_t* node_cand, Mark mark) {
@@ -244,7 +244,6 @@ struct GpuBlock {
   int nmark = 0;
   long long marks[192];
   int ids[192];
-  int nall = 0;
 #endif
   __device__ int threads() const { return blockDim.x; }
   // chain[d + 1] = lp[0][0] + ... + lp[d][0] (chain[0] = 0; L <= 32: one lane per depth, a
@@ -300,21 +299,19 @@ struct GpuBlock {
     return base;
   }
   // Profiling probe (development builds with -DKDT_PAR_PROFILE): thread 0 of every block
-  // records the cycle counter; print_marks prints each block's intervals and total.
+  // records the cycle counter; print_marks prints each block's intervals.
   __device__ void mark(int id) {
 #if defined(KDT_PAR_PROFILE)
     if (threadIdx.x == 0 && nmark < 192) {
       marks[nmark] = clock64();
       ids[nmark++] = id;
     }
-    if (threadIdx.x == 0) ++nall;
 #else
     (void)id;
 #endif
   }
   __device__ void print_marks() {
 #if defined(KDT_PAR_PROFILE)
-    if (threadIdx.x == 0) printf("BLK %d %lld %d\n", (int)blockIdx.x, clock64() - t0, nall);
     if (threadIdx.x == 0) {
       long long prev = t0;
       for (int i = 0; i < nmark; ++i) {
@@ -480,7 +477,6 @@ __global__ void tree_build_parallel_kernel(TreeBuildArgs a, int cap) {
     if (threadIdx.x == 0) tree::par::init(S);
     __syncthreads();
     blk.nmark = 0;
-    blk.nall = 0;
     blk.t0 = clock64();
   }
 #endif
