@@ -414,6 +414,10 @@ __host__ __device__ size_t stage_bytes(int L, int K) {
   return b <= kStageLogpBytes ? b : 0;
 }
 
+// kStaged: the request's log-probs are copied to shared memory (stage_bytes > 0). A template
+// argument rather than a run-time choice, so that every log-prob read compiles to a shared (or
+// a global) load: a pointer that may point to either compiles to slower generic loads.
+template <bool kStaged>
 __global__ void tree_build_parallel_kernel(TreeBuildArgs a, int cap) {
   extern __shared__ double smem[];
   const int n = a.budget + 1, W = (n + 31) / 32;
@@ -449,7 +453,7 @@ __global__ void tree_build_parallel_kernel(TreeBuildArgs a, int cap) {
   const tree::par::Arrays A{{pool, cands, keys}, {pool + cap, cands + cap, keys + cap},
                             cnt, srt, order, inv, hist, chain, ks.key_bits, ks.key_depth};
   if (threadIdx.x == 0) tree::par::init(S);
-  if (stage_bytes(a.L, a.K)) {
+  if (kStaged) {
     // Eight loads in flight per thread before the stores.
     float* staged = reinterpret_cast<float*>(next_sibling + n);
     const int T = blockDim.x;
@@ -561,7 +565,9 @@ __device__ void warp_write_outputs(const TreeBuildArgs& a, int b, int n, int W, 
   if (lane == 0) a.num_nodes[b] = used;
 }
 
-template <int S>
+// kStaged: the log-probs are copied to shared memory (warp_stage_bytes > 0); a template argument
+// so that the pops read them with shared loads (see tree_build_parallel_kernel).
+template <int S, bool kStaged>
 __global__ void __launch_bounds__(128) tree_build_warp_kernel(TreeBuildArgs a) {
   extern __shared__ double smem[];
   const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
@@ -582,7 +588,7 @@ __global__ void __launch_bounds__(128) tree_build_warp_kernel(TreeBuildArgs a) {
   const int64_t* ids = a.top_ids + b * lk;
   if (lane == 0) meta[0] = __ldg(a.root_ids + b);  // (not held in registers over the build)
   if (lane == 1) meta[1] = __ldg(a.seq_lens + b);
-  if (warp_stage_bytes(a.L, a.K)) {
+  if (kStaged) {
     float* staged = reinterpret_cast<float*>(ns + n);
     for (size_t i = lane; i < lk; i += 32) staged[i] = __ldg(lp + i);
     lp = staged;
@@ -602,6 +608,14 @@ __global__ void __launch_bounds__(128) tree_build_warp_kernel(TreeBuildArgs a) {
                      lane);
 }
 
+template <int S>
+void launch_warp(const TreeBuildArgs& a, int grid, int threads, size_t smem, cudaStream_t st) {
+  if (warp_stage_bytes(a.L, a.K))
+    tree_build_warp_kernel<S, true><<<grid, threads, smem, st>>>(a);
+  else
+    tree_build_warp_kernel<S, false><<<grid, threads, smem, st>>>(a);
+}
+
 kdt_status launch_warp_build(const TreeBuildArgs& a, cudaStream_t st) {
   static const char* fn = "kdt_tree_build";
   // One warp per CTA while the batch fits the device many times over (each request then has an
@@ -613,12 +627,12 @@ kdt_status launch_warp_build(const TreeBuildArgs& a, cudaStream_t st) {
   const int grid = (a.bs + R - 1) / R;
   const size_t smem = (size_t)R * per;
   switch (tree::wrp::slots_for(a.budget)) {
-    case 1: tree_build_warp_kernel<1><<<grid, 32 * R, smem, st>>>(a); break;
-    case 2: tree_build_warp_kernel<2><<<grid, 32 * R, smem, st>>>(a); break;
-    case 4: tree_build_warp_kernel<4><<<grid, 32 * R, smem, st>>>(a); break;
-    case 8: tree_build_warp_kernel<8><<<grid, 32 * R, smem, st>>>(a); break;
-    case 16: tree_build_warp_kernel<16><<<grid, 32 * R, smem, st>>>(a); break;
-    default: tree_build_warp_kernel<32><<<grid, 32 * R, smem, st>>>(a); break;
+    case 1: launch_warp<1>(a, grid, 32 * R, smem, st); break;
+    case 2: launch_warp<2>(a, grid, 32 * R, smem, st); break;
+    case 4: launch_warp<4>(a, grid, 32 * R, smem, st); break;
+    case 8: launch_warp<8>(a, grid, 32 * R, smem, st); break;
+    case 16: launch_warp<16>(a, grid, 32 * R, smem, st); break;
+    default: launch_warp<32>(a, grid, 32 * R, smem, st); break;
   }
   KDT_CUDA_CHECK(cudaGetLastError(), fn);
   return KDT_OK;
@@ -674,7 +688,10 @@ kdt_status tree_build_cuda(const TreeBuildArgs& a, void* stream) {
                                             tree::par::pool_capacity(tree::kMaxBudget)) +
                              kStageLogpBytes);
       limit = limit < most ? limit : most;
-      KDT_CUDA_CHECK(cudaFuncSetAttribute(tree_build_parallel_kernel,
+      KDT_CUDA_CHECK(cudaFuncSetAttribute(tree_build_parallel_kernel<true>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize, limit),
+                     fn);
+      KDT_CUDA_CHECK(cudaFuncSetAttribute(tree_build_parallel_kernel<false>,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize, limit),
                      fn);
       if (dev >= 0 && dev < 64) optin[dev] = limit;
@@ -686,7 +703,10 @@ kdt_status tree_build_cuda(const TreeBuildArgs& a, void* stream) {
       psmem = par_smem_bytes(a.budget, a.L, cap) + stage_bytes(a.L, a.K);
     }
     if (psmem <= (size_t)limit) {
-      tree_build_parallel_kernel<<<a.bs, T, psmem, st>>>(a, cap);
+      if (stage_bytes(a.L, a.K))
+        tree_build_parallel_kernel<true><<<a.bs, T, psmem, st>>>(a, cap);
+      else
+        tree_build_parallel_kernel<false><<<a.bs, T, psmem, st>>>(a, cap);
       KDT_CUDA_CHECK(cudaGetLastError(), fn);
       return KDT_OK;
     }

@@ -152,7 +152,15 @@ struct Pool {
 // pointer array is indexed at run time, which would put them in local memory).
 struct Arrays {
   Pool p0, p1;
-  KDT_HD Pool pool(int c) const { return c ? p1 : p0; }
+  KDT_HD Pool pool(int c) const {
+    Pool p = c ? p1 : p0;
+#if defined(__CUDA_ARCH__)
+    __builtin_assume(__isShared(p.score));
+    __builtin_assume(__isShared(p.cand));
+    __builtin_assume(__isShared(p.key));
+#endif
+    return p;
+  }
   int* cnt;           // [cap] compaction positions; per kept entry its bucket << 16 | slot
   uint16_t* srt;      // [cap] kept entries, bucket by bucket
   uint16_t* order;    // [cap] the entry of node r + 1
