@@ -41,7 +41,11 @@ namespace wrp {
 
 constexpr int kMaxSlots = 32;                  // slots per lane
 constexpr int kMaxBudget = 32 * kMaxSlots - 1;  // 1023: the largest budget this build takes
-constexpr int kAutoMaxBudget = 15;  // KDT_TREE_BUILD=auto: warp up to here, parallel above (H200, kernel alone: B15 warp 9.3 us vs parallel 10.4-14; B63 warp 37 vs parallel 17-23)
+// KDT_TREE_BUILD=auto: warp up to here, parallel above. H200, kernel alone (2026-12-01): budget
+// 15, warp 9.5-9.9 us against parallel 11.8-14.1 (256 threads; 12.2-18.0 with 128, 512 or
+// 1024); budget 63, a pop of the warp build costs about 1000 cycles (clock64: 62k cycles for
+// 63 pops at bs 1, about 190 dependent instructions each), parallel 15-21 us.
+constexpr int kAutoMaxBudget = 15;
 
 // Slots per lane for a budget: the smallest power of two S with 32 S >= budget + 1.
 KDT_HD int slots_for(int budget) {
