@@ -252,26 +252,40 @@ KDT_HD void float_exponents(float x, int& lsb, int& top) {
   top = E ? (int)E - 126 : -126;
 }
 
+// The largest i in [lo, hi) with pass(i), given pass(lo) and that the passing indices are a
+// prefix of [lo, hi). A 4-ary search: three independent probes a step, so that the chain of
+// dependent loads is about half a binary search's (3 steps instead of 6 over 64 entries).
+template <class Pass>
+KDT_HD int last_pass(int lo, int hi, Pass pass) {
+  while (hi - lo > 1) {
+    const int q = hi - lo, a = q >> 2 ? q >> 2 : 1;
+    const int m1 = lo + a, m2 = lo + (q >> 1), m3 = hi - a;  // lo < m1 <= m2 <= m3 < hi
+    const bool p1 = pass(m1), p2 = pass(m2), p3 = pass(m3);
+    if (p3) {
+      lo = m3;
+    } else if (p2) {
+      lo = m2;
+      hi = m3;
+    } else if (p1) {
+      lo = m1;
+      hi = m2;
+    } else {
+      hi = m1;
+    }
+  }
+  return lo;
+}
+
 // Ranks r < kc of row `row` with s + row[r] >= t, given s + row[0] >= t (rows non-increasing).
 KDT_HD int count_at_least(const float* row, int kc, double s, double t) {
-  int lo = 0, hi = kc;  // row[lo] passes, row[hi] fails (hi == kc: past the end)
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) >> 1;
-    if (s + (double)row[mid] >= t) lo = mid; else hi = mid;
-  }
-  return lo + 1;
+  return last_pass(0, kc, [&](int r) { return s + (double)row[r] >= t; }) + 1;
 }
 
 // The run of flattened element k: the last q < m with off[q] <= k (off: exclusive offsets of
 // the runs, off[0] = 0 <= k < total). An empty run shares its offset with the next, so q's run
 // holds k.
 KDT_HD int run_of(const int* off, int m, int k) {
-  int x = 0, y = m;
-  while (y - x > 1) {
-    const int mid = (x + y) >> 1;
-    if (off[mid] <= k) x = mid; else y = mid;
-  }
-  return x;
+  return last_pass(0, m, [&](int q) { return off[q] <= k; });
 }
 
 // A score that sums to zero (every log-prob on its path is +-0.0) with the sign the reference's
