@@ -33,7 +33,7 @@ from bench import format_table
 from bench.inputs import KIMI_K2, accept_target, attention_inputs, tree_inputs
 from bench.native_calls import (prepare_tree_accept, prepare_tree_build,
                                 prepare_verify_attention, to_numpy)
-from bench.timing import summarize, time_cpu, time_cuda, time_cuda_graph
+from bench.timing import device_warmup_s, summarize, time_cpu, time_cuda, time_cuda_graph
 from bench.tree_algo import ALGOS, side_stream, tree_algo
 from bench.validate import (ACCEPT_FIELDS, TREE_FIELDS, check_close, check_exact,
                             sample_requests)
@@ -541,6 +541,9 @@ def run(ctx) -> dict:
                             import torch
 
                             torch.cuda.empty_cache()
+    # seconds of untimed device work before the process's first CUDA sample (bench.timing), or
+    # None when nothing was timed on CUDA
+    params["device_warmup_s"] = device_warmup_s()
     return {"params": params, "results": results, "table": table(results)}
 
 

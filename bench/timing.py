@@ -10,6 +10,11 @@ starts with a cold L2, as a kernel inside a decode step does (the layers before 
 (one call between events also carries the launch from Python); the one graph timer of the repo
 (the kernels and tree suites use it), with counts that adapt to a time budget.
 
+Device warm-up: the first CUDA-timed call of a process first runs its own work back to back for
+DEVICE_WARMUP_S seconds, untimed. The GPU's clocks rise under load: without it the first cases
+of the kernels suite on the H200 were timed at idle clocks (runs of 2026-12-01: a step of up to
+13% down in the middle of a case's samples, and bs 1 at budget 15 1.5-2.4 us slower than bs 64).
+
 Every helper returns the raw samples; `summarize` turns them into the figures the JSON keeps
 beside them (median, min, p10, p90, mean, n).
 """
@@ -22,7 +27,37 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["summarize", "time_cpu", "time_cuda", "time_cuda_graph", "l2_flush_bytes"]
+__all__ = ["summarize", "time_cpu", "time_cuda", "time_cuda_graph", "l2_flush_bytes",
+           "DEVICE_WARMUP_S", "device_warmup_s"]
+
+DEVICE_WARMUP_S = 1.0  # seconds of untimed device work before the process's first CUDA sample
+_warmup_spent: float | None = None  # seconds the process's warm-up took (None: not yet)
+
+
+def device_warmup_s() -> float | None:
+    """Seconds the process's device warm-up took, or None before the first CUDA timing."""
+    return _warmup_spent
+
+
+def _warm_once(step: Callable[[], object], sync: Callable[[], object],
+               seconds: float = DEVICE_WARMUP_S) -> float:
+    """Runs `step` (it enqueues device work) back to back, synchronising after batches that
+    double in size, until `seconds` have passed; the first call in the process only (later
+    calls return 0.0). Returns the seconds spent."""
+    global _warmup_spent
+    if _warmup_spent is not None or seconds <= 0:
+        return 0.0
+    t0 = time.perf_counter()
+    n = 1
+    while True:
+        for _ in range(n):
+            step()
+        sync()
+        spent = time.perf_counter() - t0
+        if spent >= seconds:
+            _warmup_spent = spent
+            return spent
+        n = min(2 * n, 1 << 14)
 
 
 def summarize(samples: Sequence[float]) -> dict:
@@ -102,6 +137,7 @@ def time_cuda(fn: Callable[[], object], warmup: int = 5, reps: int = 50, flush_l
     if flush_l2:
         flush = torch.empty(l2_flush_bytes() // 4, dtype=torch.float32, device="cuda")
     torch.cuda.synchronize()
+    _warm_once(fn, torch.cuda.synchronize)
     for i in range(warmup):
         if flush is not None:
             flush.zero_()
@@ -174,6 +210,7 @@ def time_cuda_graph(fn: Callable[[], object], calls: int = 20, reps: int = 20,
             fn()
     finally:
         graph.capture_end()
+    _warm_once(graph.replay, torch.cuda.current_stream().synchronize)
     for _ in range(warmup):
         graph.replay()
     torch.cuda.current_stream().synchronize()

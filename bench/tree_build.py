@@ -26,7 +26,7 @@ import numpy as np
 from bench import format_table
 from bench.inputs import tree_inputs
 from bench.native_calls import prepare_tree_build
-from bench.timing import summarize, time_cpu, time_cuda, time_cuda_graph
+from bench.timing import device_warmup_s, summarize, time_cpu, time_cuda, time_cuda_graph
 from bench.tree_algo import ALGOS, side_stream, tree_algo
 from bench.validate import TREE_FIELDS, check_exact, sample_requests
 
@@ -220,6 +220,9 @@ def run(ctx) -> dict:
             results += _case(lib, devices, bs, budget, seed, ctx.quick)
             done += 1
             ctx.progress(done, n_cases, f"bs={bs} budget={budget}")
+    # seconds of untimed device work before the process's first CUDA sample (bench.timing), or
+    # None when nothing was timed on CUDA
+    params["device_warmup_s"] = device_warmup_s()
     return {"params": params, "results": results, "table": table(results)}
 
 

@@ -37,6 +37,27 @@ def test_time_cpu_calls_warmup_plus_reps():
     assert all(v >= 0 for v in s)
 
 
+def test_device_warmup_runs_doubling_batches_until_the_time_is_spent_once(monkeypatch):
+    monkeypatch.setattr(timing, "_warmup_spent", None)
+    t = iter([0.0, 0.3, 0.6, 0.9, 1.2])
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(t))
+    steps, syncs = [], []
+    spent = timing._warm_once(lambda: steps.append(1), lambda: syncs.append(1), seconds=1.0)
+    # batches of 1, 2, 4, 8 calls, a sync after each, until the clock passes 1 s
+    assert (len(steps), len(syncs), spent) == (15, 4, 1.2)
+    assert timing.device_warmup_s() == 1.2
+    # once per process: a second call does nothing (the clock iterator is spent: not read)
+    assert timing._warm_once(lambda: steps.append(1), lambda: syncs.append(1)) == 0.0
+    assert (len(steps), len(syncs)) == (15, 4)
+
+
+def test_device_warmup_zero_seconds_is_off(monkeypatch):
+    monkeypatch.setattr(timing, "_warmup_spent", None)
+    calls = []
+    assert timing._warm_once(lambda: calls.append(1), lambda: calls.append(2), seconds=0.0) == 0.0
+    assert calls == [] and timing.device_warmup_s() is None
+
+
 def test_time_cpu_budget_stops_early_but_keeps_min_reps(monkeypatch):
     # A fake clock that advances 1 s per reading: every call "takes" 1 s.
     t = iter(range(10_000))
