@@ -1,0 +1,127 @@
+"""Two builds of libkdtree side by side on the same requests: the tree build timed for each in one
+process, alternating A, B, A, B over rounds, so that a kernel change is measured against its base
+on identical inputs and under the same clocks (the suites draw fresh inputs every run, so two
+runs compare well only at large batches). Every case is first checked bit for bit against the
+reference, for both libraries.
+
+    python3 -m bench.tree_ab build/base/libkdtree.so build/new/libkdtree.so
+        [--device cuda|cpu] [--cases 64:1023,1:1023,64:255,64:63,1:63,64:15,1:15]
+        [--rounds 2] [--seed 15] [--algo auto]
+
+CUDA times the kernel alone (a CUDA graph of 20 calls / 20, bench.timing.time_cuda_graph); the
+CPU the bare call. Prints one line per case: both medians (the median over the rounds of each
+round's median) and B / A. Exits 1 on a wrong tree, 2 on a bad argument.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+L = 15  # draft depth of the inputs, as in the suites
+DEFAULT_CASES = "64:1023,1:1023,64:255,1:255,64:63,1:63,64:15,1:15"
+
+
+def parse_cases(text: str) -> list[tuple[int, int]]:
+    """'bs:budget,bs:budget,...' -> [(bs, budget), ...]; ValueError naming the bad item."""
+    cases = []
+    for item in text.split(","):
+        parts = item.strip().split(":")
+        try:
+            bs, budget = (int(p) for p in parts)
+        except ValueError:
+            raise ValueError(f"--cases: '{item}' is not bs:budget (two integers)") from None
+        if not (1 <= bs <= 4096 and 1 <= budget <= 1024):
+            raise ValueError(f"--cases: '{item}': bs must be in 1..4096 and budget in 1..1024")
+        cases.append((bs, budget))
+    return cases
+
+
+def _inputs(seed: int, bs: int, budget: int) -> dict:
+    from bench.inputs import tree_inputs
+
+    # One generator per case, so that a case's requests do not depend on the list's order.
+    return tree_inputs(np.random.default_rng([seed, bs, budget]), bs, L, min(budget, 64))
+
+
+def compare(libs, device: str, cases, rounds: int, seed: int, algo: str, out=print) -> bool:
+    """Times every case for each library (rounds x (A, B)); prints a line per case; returns
+    False when a library builds a wrong tree (that case is then not timed)."""
+    from bench.native_calls import prepare_tree_build
+    from bench.timing import summarize, time_cpu, time_cuda_graph
+    from bench.tree_algo import side_stream, tree_algo
+    from bench.validate import TREE_FIELDS, check_exact
+    from engine.reference import ddtree
+
+    ok = True
+    out(f"{'case':>16} {'A us':>9} {'B us':>9} {'B / A':>7}   (A {libs[0].path}, B {libs[1].path})")
+    for bs, budget in cases:
+        inp = _inputs(seed, bs, budget)
+        ref = ddtree.build_tree(inp["top_logp"], inp["top_ids"], budget, inp["root_ids"],
+                                inp["seq_lens"])
+        with side_stream(device), tree_algo(algo):
+            calls = [prepare_tree_build(lib, device, inp, budget) for lib in libs]
+            bad = []
+            for name, p in zip("AB", calls):
+                p.run()
+                if device == "cuda":
+                    import torch
+
+                    torch.cuda.synchronize()
+                v = check_exact(p.outputs, ref, TREE_FIELDS)
+                if not v["ok"]:
+                    bad.append(f"{name}: {v.get('error')}")
+            if bad:
+                ok = False
+                out(f"FAIL bs {bs} budget {budget}: wrong tree: {'; '.join(bad)}")
+                continue
+            medians = ([], [])
+            for _ in range(rounds):
+                for m, p in zip(medians, calls):
+                    samples = (time_cuda_graph(p.run) if device == "cuda"
+                               else time_cpu(p.run, reps=20))
+                    m.append(summarize(samples)["median"])
+        a, b = (statistics.median(m) * 1e6 for m in medians)
+        out(f"{f'bs {bs} B {budget}':>16} {a:9.2f} {b:9.2f} {b / a:7.3f}")
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python3 -m bench.tree_ab",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("lib_a", type=Path, help="the base build's libkdtree.so")
+    ap.add_argument("lib_b", type=Path, help="the changed build's libkdtree.so")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--cases", default=DEFAULT_CASES, help="bs:budget,... (default %(default)s)")
+    ap.add_argument("--rounds", type=int, default=2, help="A, B alternations (default 2)")
+    ap.add_argument("--seed", type=int, default=15)
+    ap.add_argument("--algo", default="auto", help="KDT_TREE_BUILD for both (default auto)")
+    a = ap.parse_args(argv)
+    try:
+        cases = parse_cases(a.cases)
+    except ValueError as e:
+        ap.error(str(e))
+    if a.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {a.rounds}")
+    for p in (a.lib_a, a.lib_b):
+        if not p.is_file():
+            ap.error(f"no library at {p}")
+    from engine.native._lib import load
+
+    libs = [load(a.lib_a.resolve()), load(a.lib_b.resolve())]
+    if libs[0].cdll._handle == libs[1].cdll._handle:
+        # the dynamic loader hands back the loaded copy for the same file: nothing to compare
+        ap.error(f"{a.lib_a} and {a.lib_b} are one library: give two different builds")
+    if a.device == "cuda":
+        for lib in libs:
+            if not lib.has_cuda:
+                ap.error(f"{lib.path} is a CPU-only build: use --device cpu, or a CUDA build")
+    return 0 if compare(libs, a.device, cases, a.rounds, a.seed, a.algo) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
