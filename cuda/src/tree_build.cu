@@ -407,7 +407,7 @@ size_t par_smem_bytes(int budget, int L, int pool_cap) {
 }
 
 // The request's log-probs are staged in shared memory (after the arrays above) when they take
-// at most this many bytes: the binary searches then read them at shared-memory latency.
+// at most this many bytes: the searches then read them at shared-memory latency.
 constexpr size_t kStageLogpBytes = 16 * 1024;
 __host__ __device__ size_t stage_bytes(int L, int K) {
   const size_t b = (size_t)L * K * sizeof(float);

@@ -23,10 +23,10 @@
 //      the grid's corner extended by up to three rank-0 steps; the family's B-th best is <= the
 //      tree's B-th best.
 //   1. Level by level, each kept node of the previous level gets a run of children, ranks
-//      0..c-1 with s(parent) + lp[d][r] >= t (c by binary search: scores fall along a row),
-//      placed by a block scan of the lengths (runs in parent order), then written flattened:
-//      thread i writes elements i, i + T, ..., each finding its run by binary search over the
-//      offsets, so a level costs the same whatever its run lengths.
+//      0..c-1 with s(parent) + lp[d][r] >= t (c by a 4-ary search, last_pass: scores fall
+//      along a row), placed by a block scan of the lengths (runs in parent order), then
+//      written flattened: thread i writes elements i, i + T, ..., each finding its run by a
+//      4-ary search over the offsets, so a level costs the same whatever its run lengths.
 //   2. t rises with a 256-bin score histogram whenever the pool keeps more than 1.5 B nodes: if
 //      the bins at or above bin j hold >= B nodes, the B-th best is >= bin j's lower edge. A
 //      level whose runs would overflow the pool raises t over the pool and the runs first, then
@@ -442,7 +442,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
       const int m = le - lb;
       const Bound b = bd;
       const Pool P = A.pool(c);
-      // Each kept parent's run length by binary search (A.order) and the runs' exclusive
+      // Each kept parent's run length by a 4-ary search (A.order) and the runs' exclusive
       // offsets in parent order (A.cnt), so that the runs are contiguous in order.
       total = blk.offsets(m, A.cnt, A.order, [&](int q) {
         const double s = P.score[lb + q];
@@ -458,7 +458,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
       if (attempt == 0) {
         // Raise t over the kept pool and the runs (scores below lo are not binned: lo is t, or
         // before t exists the lowest score of the pool and the runs' tails). The runs are
-        // flattened: an element's run by binary search over the offsets (balanced, whatever the
+        // flattened: an element's run by a 4-ary search over the offsets (balanced, whatever the
         // run lengths).
         if (!bd.has && S.pmin == ~0ull) continue;
         blk.run([&](int t) {
