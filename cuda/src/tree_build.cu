@@ -519,36 +519,80 @@ struct GpuWarp {
   template <class F>
   __device__ __forceinline__ void each(F f) { f(x, lane); }
   template <class F>
-  __device__ __forceinline__ uint32_t max(F f) { return __reduce_max_sync(kFull, f(x, lane)); }
-  template <class F>
-  __device__ __forceinline__ uint32_t min(F f) { return __reduce_min_sync(kFull, f(x, lane)); }
-  template <class F>
   __device__ __forceinline__ uint32_t ballot(F f) { return __ballot_sync(kFull, f(x, lane)); }
+  __device__ __forceinline__ static tree::wrp::Entry shfl_entry(const tree::wrp::Entry& e,
+                                                                int src) {
+    tree::wrp::Entry r;
+    r.sc = __shfl_sync(kFull, e.sc, src);
+    r.u = __shfl_sync(kFull, e.u, src);
+    r.key = __shfl_sync(kFull, e.key, src);
+    r.cand = __shfl_sync(kFull, e.cand, src);
+    r.prev = __shfl_sync(kFull, e.prev, src);
+    return r;
+  }
+  __device__ __forceinline__ tree::wrp::Entry first() const { return shfl_entry(x.e[0], 0); }
   template <class F>
-  __device__ __forceinline__ uint32_t shfl(F f, int src) {
-    return __shfl_sync(kFull, f(x, lane), src);
+  __device__ __forceinline__ void shift(F f) {
+    // lane + 1's first slot and lane - 1's last slot (lane 31's next: empty)
+    tree::wrp::Entry next = shfl_entry(x.e[0], (lane + 1) & 31);
+    const tree::wrp::Entry last = shfl_entry(x.e[S - 1], (lane + 31) & 31);
+    if (lane == 31) { next.u = 0; next.cand = 0; }
+    f(x, lane, next, last);
   }
   __device__ __forceinline__ void sync() { __syncwarp(); }
 };
 
-// Per-warp shared memory: node scores [n] (8 bytes), its root id and seq_len, the request's
-// token ids when they take
-// <= kWarpStageBytes, node cands [n] (4), first_child and next_sibling [n] (2 each), then its
-// log-probs when they take <= kWarpStageBytes; rounded up to 8 bytes. At most 16 x 256 + 16 KB
-// = 20 KB a warp. Both are loaded at the start, in one round trip: the pops then read the
-// log-probs and the output pass the ids at shared-memory latency.
+// Per-warp shared memory: node scores [n] (8 bytes), its root id and seq_len, node cands [n]
+// (4), first_child and next_sibling [n] (2 each), then its log-probs when they take
+// <= kWarpStageBytes; rounded up to 8 bytes. At most 16 x 1024 + 8 KB = 24 KB a warp.
 constexpr int kWarpStageBytes = 8 * 1024;
 __host__ __device__ size_t warp_stage_bytes(int L, int K) {
   const size_t b = (size_t)L * K * sizeof(float);
   return b <= (size_t)kWarpStageBytes ? b : 0;
 }
-__host__ __device__ size_t warp_ids_bytes(int L, int K) {
-  const size_t b = (size_t)L * K * sizeof(int64_t);
-  return b <= (size_t)kWarpStageBytes ? b : 0;
-}
 __host__ __device__ size_t warp_smem_per(int budget, int L, int K) {
   const size_t n = (size_t)budget + 1;
-  return (16 * n + 16 + warp_ids_bytes(L, K) + warp_stage_bytes(L, K) + 7) / 8 * 8;
+  return (16 * n + 16 + warp_stage_bytes(L, K) + 7) / 8 * 8;
+}
+
+// Copies src[0, count) (global) to dst (shared) with one warp: 16-byte loads from src's first
+// 16-byte boundary on (a scalar head and tail around them), eight per lane in flight before
+// their stores, so that up to 1024 floats arrive in one round trip.
+__device__ void warp_stage(float* dst, const float* src, int count, int lane) {
+  const int head = min(count, (int)(((16 - (reinterpret_cast<uintptr_t>(src) & 15)) & 15) >> 2));
+  if (lane < head) dst[lane] = __ldg(src + lane);
+  const int nv = (count - head) >> 2;
+  const float4* v = reinterpret_cast<const float4*>(src + head);
+  for (int i0 = 0; i0 < nv; i0 += 8 * 32) {
+    float4 r[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int i = i0 + 32 * k + lane;
+      if (i < nv) r[k] = __ldg(v + i);
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int i = i0 + 32 * k + lane;
+      if (i < nv) {
+        float* d = dst + head + 4 * i;
+        d[0] = r[k].x;
+        d[1] = r[k].y;
+        d[2] = r[k].z;
+        d[3] = r[k].w;
+      }
+    }
+  }
+  const int tail = head + 4 * nv;
+  if (lane < count - tail) dst[tail + lane] = __ldg(src + tail + lane);
+}
+
+// Asks L1 for the 128-byte lines of [p, p + bytes) (no registers, no wait): the output pass's
+// token-id gather then finds them there instead of in L2.
+__device__ void warp_prefetch_l1(const void* p, size_t bytes, int lane) {
+  const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~(uintptr_t)127;
+  const uintptr_t end = reinterpret_cast<uintptr_t>(p) + bytes;
+  for (uintptr_t q = first + 128 * (uintptr_t)lane; q < end; q += 128 * 32)
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(q));
 }
 
 // The warp writes one request's outputs: slots (lanes on consecutive slots), then visibility
@@ -578,9 +622,7 @@ __global__ void __launch_bounds__(128) tree_build_warp_kernel(TreeBuildArgs a) {
                (size_t)(threadIdx.x >> 5) * warp_smem_per(a.budget, a.L, a.K);
   double* node_score = reinterpret_cast<double*>(base);
   int64_t* meta = reinterpret_cast<int64_t*>(node_score + n);  // root id, seq_len
-  int64_t* ids_staged = meta + 2;
-  uint32_t* node_cand = reinterpret_cast<uint32_t*>(
-      reinterpret_cast<char*>(ids_staged) + warp_ids_bytes(a.L, a.K));
+  uint32_t* node_cand = reinterpret_cast<uint32_t*>(meta + 2);
   int16_t* fc = reinterpret_cast<int16_t*>(node_cand + n);
   int16_t* ns = fc + n;
   const size_t lk = (size_t)a.L * a.K;
@@ -588,14 +630,11 @@ __global__ void __launch_bounds__(128) tree_build_warp_kernel(TreeBuildArgs a) {
   const int64_t* ids = a.top_ids + b * lk;
   if (lane == 0) meta[0] = __ldg(a.root_ids + b);  // (not held in registers over the build)
   if (lane == 1) meta[1] = __ldg(a.seq_lens + b);
+  warp_prefetch_l1(ids, lk * sizeof(int64_t), lane);
   if (kStaged) {
     float* staged = reinterpret_cast<float*>(ns + n);
-    for (size_t i = lane; i < lk; i += 32) staged[i] = __ldg(lp + i);
+    warp_stage(staged, lp, (int)lk, lane);
     lp = staged;
-  }
-  if (warp_ids_bytes(a.L, a.K)) {
-    for (size_t i = lane; i < lk; i += 32) ids_staged[i] = __ldg(ids + i);
-    ids = ids_staged;
   }
   __syncwarp();
   tree::Scratch ks{};
