@@ -519,25 +519,14 @@ struct GpuWarp {
   template <class F>
   __device__ __forceinline__ void each(F f) { f(x, lane); }
   template <class F>
-  __device__ __forceinline__ uint32_t ballot(F f) { return __ballot_sync(kFull, f(x, lane)); }
-  __device__ __forceinline__ static tree::wrp::Entry shfl_entry(const tree::wrp::Entry& e,
-                                                                int src) {
-    tree::wrp::Entry r;
-    r.sc = __shfl_sync(kFull, e.sc, src);
-    r.u = __shfl_sync(kFull, e.u, src);
-    r.key = __shfl_sync(kFull, e.key, src);
-    r.cand = __shfl_sync(kFull, e.cand, src);
-    r.prev = __shfl_sync(kFull, e.prev, src);
-    return r;
-  }
-  __device__ __forceinline__ tree::wrp::Entry first() const { return shfl_entry(x.e[0], 0); }
+  __device__ __forceinline__ uint32_t max(F f) { return __reduce_max_sync(kFull, f(x, lane)); }
   template <class F>
-  __device__ __forceinline__ void shift(F f) {
-    // lane + 1's first slot and lane - 1's last slot (lane 31's next: empty)
-    tree::wrp::Entry next = shfl_entry(x.e[0], (lane + 1) & 31);
-    const tree::wrp::Entry last = shfl_entry(x.e[S - 1], (lane + 31) & 31);
-    if (lane == 31) { next.u = 0; next.cand = 0; }
-    f(x, lane, next, last);
+  __device__ __forceinline__ uint32_t min(F f) { return __reduce_min_sync(kFull, f(x, lane)); }
+  template <class F>
+  __device__ __forceinline__ uint32_t ballot(F f) { return __ballot_sync(kFull, f(x, lane)); }
+  template <class F>
+  __device__ __forceinline__ uint32_t shfl(F f, int src) {
+    return __shfl_sync(kFull, f(x, lane), src);
   }
   __device__ __forceinline__ void sync() { __syncwarp(); }
 };

@@ -4,28 +4,23 @@
 // very code, the CPU through CpuWarp below (32 lane states, collectives as loops).
 //
 // It is the reference's heap order exactly (same float64 operations, same strict total order:
-// score descending, then rank path ascending), with the frontier kept SORTED in registers:
-//   - every lane holds the frontier's best entry (the next pop); the rest of the frontier, R,
-//     is sorted over 32 x S slots, lane l holding positions l S .. l S + S - 1 (S a compile-time
-//     count, so the slots stay in registers). An entry at frontier position k pops no earlier
-//     than k pops later, so only R's first budget - 1 entries can ever pop: 32 S >= budget - 1
-//     slots hold all of them, and entries pushed past the last slot are dropped;
-//   - a pop emits the best entry; every lane computes its sibling and first child itself (the
-//     log-probs are in shared memory: same reads everywhere) and counts its slots that precede
-//     each (S independent comparisons). R is sorted, so the slots preceding a new entry form a
-//     prefix, and its position in R is the sum of the lanes' counts, a ballot per bit of a count;
-//   - the next best is the first of R[0] (broadcast from lane 0 before the comparisons), the
-//     sibling and the child; R moves by -1, 0 or +1 positions per slot to take the new entries
-//     (a select within a lane, one shuffle up and one down across lanes). No argmax and no
-//     rescan: a pop is a short chain of a shared load, two float64 additions, a comparison,
-//     ballots and selects;
+// score descending, then rank path ascending), with the frontier held in registers:
+//   - the frontier (at most budget + 1 entries) lives in 32 x S slots, S per lane (a compile-time
+//     count, so the slot arrays stay in registers); each lane caches its best entry;
+//   - a pop is a warp argmax of the lanes' bests: two 32-bit max reductions over the
+//     order-preserving image of the score (redux.sync), a ballot, and only on equal scores two
+//     min reductions over the rank-path prefix key (tree_build_core.h), then, on equal keys, the
+//     full rank-path comparison lane pair by lane pair (rare);
+//   - every lane computes the winner's sibling and child scores itself (the log-probs are in
+//     shared memory; same reads everywhere), so no lane waits for another's write;
+//   - the sibling (or child) takes the winner's slot, the other push the next never-used slot
+//     (a high-water mark, < budget + 1); only the lanes whose slots changed rescan their S slots.
 //   - keys travel with the entries (a child's key is its parent's, a sibling's its left
 //     sibling's plus one in its rank field), and each entry carries the node index of its left
 //     sibling, which is its next_sibling under the prepend rule (siblings pop in rank order), so a
 //     pop reads no node array. Every lane writes node_cand[i] itself (the same value): the rare
-//     full rank-path comparison (equal scores, equal keys below key_depth) reads node_cand, and
-//     each lane reads only its own writes; lane 0 writes the other node arrays, read after the
-//     final warp barrier.
+//     full rank-path comparison reads node_cand, and each lane reads only its own writes; lane 0
+//     writes the other node arrays, read after the final warp barrier.
 #pragma once
 
 #include <stdint.h>
@@ -52,10 +47,10 @@ constexpr int kMaxBudget = 32 * kMaxSlots - 1;  // 1023: the largest budget this
 // 63 pops at bs 1, about 190 dependent instructions each), parallel 15-21 us.
 constexpr int kAutoMaxBudget = 15;
 
-// Slots per lane for a budget: the smallest power of two S with 32 S >= budget - 1.
+// Slots per lane for a budget: the smallest power of two S with 32 S >= budget + 1.
 KDT_HD int slots_for(int budget) {
   int s = 1;
-  while (32 * s < budget - 1) s *= 2;
+  while (32 * s < budget + 1) s *= 2;
   return s;
 }
 
@@ -94,39 +89,66 @@ KDT_HD int popc32(uint32_t m) {
 #endif
 }
 
-// A frontier entry. cand == 0 (and u == 0): an empty slot (a real candidate has depth >= 1).
-struct Entry {
-  double sc;      // the score
-  uint64_t u;     // ord(sc)
-  uint64_t key;   // rank-path prefix key
-  uint32_t cand;  // tree::pack(parent node, rank, depth)
-  int prev;       // node index of the left sibling (-1 for rank 0)
-};
-
-KDT_HD Entry make_entry(double sc, uint64_t key, uint32_t cand, int prev) {
-  Entry e;
-  e.sc = sc;
-  e.u = cand ? ord(sc) : 0ull;
-  e.key = key;
-  e.cand = cand;
-  e.prev = prev;
-  return e;
-}
-
-// One lane's share of R: positions lane S .. lane S + S - 1, and this pop's counts.
+// One lane's share of the frontier: S slots and a copy of the best of them.
 template <int S>
 struct Lane {
-  Entry e[S];
-  int ns, nc;  // slots preceding the sibling / the child
+  double sc[S];      // the score
+  uint64_t key[S];   // rank-path prefix key
+  uint32_t cand[S];  // tree::pack(parent node, rank, depth); 0: an empty slot (depth >= 1)
+  int prev[S];       // node index of the left sibling (-1 for rank 0)
+  uint64_t bsu, bkey;  // bsu: ord(best score), 0 when every slot is empty
+  double bsc;
+  uint32_t bcand;
+  int bprev, best;   // best: the slot, -1 when every slot is empty
 };
 
-// Entry a precedes entry b in pop order (distinct candidates; a may be empty: never first).
-KDT_HD bool precedes(const Entry& a, const Entry& b, int key_depth, const uint32_t* node_cand) {
-  if (a.u != b.u) return a.u > b.u;
-  if (a.key != b.key) return a.key < b.key;
-  const int da = cand_depth(a.cand), db = cand_depth(b.cand);
+// Entry (sa, ka, ca) precedes (sb, kb, cb) in pop order (distinct candidates).
+KDT_HD bool precedes(uint64_t sa, uint64_t ka, uint32_t ca, uint64_t sb, uint64_t kb, uint32_t cb,
+                     int key_depth, const uint32_t* node_cand) {
+  if (sa != sb) return sa > sb;
+  if (ka != kb) return ka < kb;
+  const int da = cand_depth(ca), db = cand_depth(cb);
   if (da <= key_depth && db <= key_depth) return da < db;
-  return compare_paths(a.cand, b.cand, node_cand) < 0;
+  return compare_paths(ca, cb, node_cand) < 0;
+}
+
+template <int S>
+KDT_HD void rescan(Lane<S>& x, int key_depth, const uint32_t* node_cand) {
+  x.best = -1;
+  x.bsu = 0;
+KDT_WARP_UNROLL
+  for (int k = 0; k < S; ++k) {
+    if (x.cand[k] == 0) continue;
+    const uint64_t u = ord(x.sc[k]);
+    if (x.best < 0 ||
+        precedes(u, x.key[k], x.cand[k], x.bsu, x.bkey, x.bcand, key_depth, node_cand)) {
+      x.best = k;
+      x.bsu = u;
+      x.bsc = x.sc[k];
+      x.bkey = x.key[k];
+      x.bcand = x.cand[k];
+      x.bprev = x.prev[k];
+    }
+  }
+}
+
+// Writes slot s (a run-time index, selected among the compile-time ones: registers stay).
+template <int S>
+KDT_HD void put(Lane<S>& x, int s, double sc, uint64_t key, uint32_t cand, int prev) {
+KDT_WARP_UNROLL
+  for (int k = 0; k < S; ++k) {
+    if (k != s) continue;
+    x.sc[k] = sc;
+    x.key[k] = key;
+    x.cand[k] = cand;
+    x.prev[k] = prev;
+  }
+}
+template <int S>
+KDT_HD void clear(Lane<S>& x, int s) {
+KDT_WARP_UNROLL
+  for (int k = 0; k < S; ++k)
+    if (k == s) x.cand[k] = 0;
 }
 
 // Node arrays of one request (node order, slot 0 the root), as tree::build_one fills them.
@@ -137,92 +159,104 @@ struct WarpNodes {
   int16_t* next_sibling;
 };
 
-// Builds one request on the warp w (Warp: each / ballot / first / shift / sync, see CpuWarp and
-// the CUDA kernel's GpuWarp); lp is [L, K] (shared memory on CUDA). Returns the slots used
-// (root included), as tree::build_one does. budget - 1 <= 32 S.
+// Builds one request on the warp w (Warp: each / max / min / ballot / shfl / sync, see CpuWarp
+// and the CUDA kernel's GpuWarp); lp is [L, K] (shared memory on CUDA). Returns the slots used
+// (root included), as tree::build_one does. budget <= 32 S - 1.
 template <int S, class Warp>
 KDT_HD int build(Warp& w, const float* lp, int L, int K, int budget, int key_bits, int key_depth,
                  const WarpNodes& N) {
   const uint32_t* nc = N.cand;
-  constexpr int kNowhere = 1 << 30;  // the position of an entry that does not exist
   w.each([&](Lane<S>& x, int lane) {
 KDT_WARP_UNROLL
-    for (int k = 0; k < S; ++k) x.e[k] = make_entry(0.0, 0ull, 0u, -1);
+    for (int k = 0; k < S; ++k) x.cand[k] = 0;
+    if (lane == 0) put(x, 0, (double)lp[0], 0ull, pack(0, 0, 1), -1);
     N.cand[0] = 0;
     if (lane == 0) {
       N.score[0] = 0.0;
       N.first_child[0] = -1;
       N.next_sibling[0] = -1;
     }
+    rescan(x, key_depth, nc);
   });
-  Entry top = make_entry((double)lp[0], 0ull, pack(0, 0, 1), -1);  // uniform
-  int count = 0;
-  while (top.cand != 0 && count < budget) {
-    const Entry r0 = w.first();  // R[0]: needed only after the comparisons
-    const int parent = cand_parent(top.cand), rank = cand_rank(top.cand);
-    const int depth = cand_depth(top.cand);
+  int F = 1, hw = 1, count = 0;  // frontier size, high-water slot, pops: uniform
+  while (F > 0 && count < budget) {
+    // Warp argmax of the lanes' bests.
+    const uint32_t hi = w.max([](const Lane<S>& x, int) { return (uint32_t)(x.bsu >> 32); });
+    const uint32_t lo = w.max([hi](const Lane<S>& x, int) {
+      return (uint32_t)(x.bsu >> 32) == hi ? (uint32_t)x.bsu : 0u;
+    });
+    const uint64_t top = ((uint64_t)hi << 32) | lo;
+    uint32_t m = w.ballot([top](const Lane<S>& x, int) { return x.bsu == top; });
+    if (popc32(m) > 1) {  // equal scores: the smallest rank-path key
+      const uint32_t khi = w.min([m](const Lane<S>& x, int l) {
+        return (m >> l) & 1u ? (uint32_t)(x.bkey >> 32) : 0xFFFFFFFFu;
+      });
+      const uint32_t klo = w.min([m, khi](const Lane<S>& x, int l) {
+        return ((m >> l) & 1u) && (uint32_t)(x.bkey >> 32) == khi ? (uint32_t)x.bkey
+                                                                   : 0xFFFFFFFFu;
+      });
+      const uint64_t kk = ((uint64_t)khi << 32) | klo;
+      m = w.ballot([m, kk](const Lane<S>& x, int l) { return ((m >> l) & 1u) && x.bkey == kk; });
+      if (popc32(m) > 1) {  // equal keys: depths, or the full rank paths, pair by pair
+        int wl = ffs32(m);
+        uint32_t wc = w.shfl([](const Lane<S>& x, int) { return x.bcand; }, wl);
+        for (uint32_t rest = m & (m - 1); rest; rest &= rest - 1) {
+          const int l = ffs32(rest);
+          const uint32_t c = w.shfl([](const Lane<S>& x, int) { return x.bcand; }, l);
+          if (precedes(top, kk, c, top, kk, wc, key_depth, nc)) { wl = l; wc = c; }
+        }
+        m = 1u << wl;
+      }
+    }
+    const int wl = ffs32(m);
+    const uint32_t cand = w.shfl([](const Lane<S>& x, int) { return x.bcand; }, wl);
+    const uint32_t khi = w.shfl([](const Lane<S>& x, int) { return (uint32_t)(x.bkey >> 32); }, wl);
+    const uint32_t klo = w.shfl([](const Lane<S>& x, int) { return (uint32_t)x.bkey; }, wl);
+    const uint32_t shi =
+        w.shfl([](const Lane<S>& x, int) { return (uint32_t)(bits(x.bsc) >> 32); }, wl);
+    const uint32_t slo = w.shfl([](const Lane<S>& x, int) { return (uint32_t)bits(x.bsc); }, wl);
+    const int prev = (int)w.shfl([](const Lane<S>& x, int) { return (uint32_t)x.bprev; }, wl);
+    const uint64_t key = ((uint64_t)khi << 32) | klo;
+    const double score = from_bits(((uint64_t)shi << 32) | slo);
+    const int parent = cand_parent(cand), rank = cand_rank(cand), depth = cand_depth(cand);
     const int i = ++count;
     const bool sib = rank + 1 < K, child = depth < L;
-    // Loads at clamped indices, issued whether or not the entry exists.
     const float* row = lp + (size_t)(depth - 1) * K;
-    const double a = (double)row[rank], b = (double)row[sib ? rank + 1 : rank];
-    const double c = (double)lp[child ? (size_t)depth * K : 0];
     // (score - lp[d-1][r]) + lp[d-1][r+1], left to right in float64 (DDTREE.md section 2)
-    const uint64_t skey =
-        depth <= key_depth ? top.key + (1ull << (64 - key_bits * depth)) : top.key;
-    const Entry es = make_entry((top.sc - a) + b, skey, sib ? pack(parent, rank + 1, depth) : 0u, i);
-    const Entry ec = make_entry(top.sc + c, top.key, child ? pack(i, 0, depth + 1) : 0u, -1);
+    const double ss = sib ? (score - (double)row[rank]) + (double)row[rank + 1] : 0.0;
+    const double cs = child ? score + (double)lp[(size_t)depth * K] : 0.0;
+    const uint64_t skey = depth <= key_depth ? key + (1ull << (64 - key_bits * depth)) : key;
+    const int hl = hw & 31, hs = hw >> 5;
     w.each([&](Lane<S>& x, int lane) {
-      N.cand[i] = top.cand;  // every lane: each reads only its own writes (compare_paths)
+      N.cand[i] = cand;  // every lane: each reads only its own writes (compare_paths)
       if (lane == 0) {
-        N.score[i] = top.sc;
+        N.score[i] = score;
         N.first_child[i] = -1;
-        N.next_sibling[i] = (int16_t)top.prev;  // the prepend rule: the rank - 1 sibling
+        N.next_sibling[i] = (int16_t)prev;  // the prepend rule: the rank - 1 sibling
         N.first_child[parent] = (int16_t)i;
       }
-      int ns = 0, ncnt = 0;
-KDT_WARP_UNROLL
-      for (int k = 0; k < S; ++k) {
-        ns += sib && precedes(x.e[k], es, key_depth, nc) ? 1 : 0;
-        ncnt += child && precedes(x.e[k], ec, key_depth, nc) ? 1 : 0;
+      bool changed = false;
+      if (lane == wl) {
+        if (sib) put(x, x.best, ss, skey, pack(parent, rank + 1, depth), i);
+        else if (child) put(x, x.best, cs, key, pack(i, 0, depth + 1), -1);
+        else clear(x, x.best);
+        changed = true;
       }
-      x.ns = ns;
-      x.nc = ncnt;
-    });
-    // Positions in R: the counts summed over the lanes, bit by bit (a count is <= S).
-    int ps = 0, pc = 0;
-KDT_WARP_UNROLL
-    for (int bit = 1; bit <= S; bit <<= 1) {
-      ps += bit * popc32(w.ballot([bit](const Lane<S>& x, int) { return (x.ns & bit) != 0; }));
-      pc += bit * popc32(w.ballot([bit](const Lane<S>& x, int) { return (x.nc & bit) != 0; }));
-    }
-    // Positions in the merge M of R, the sibling and the child; the next best is M[0], and the
-    // new R is M[1..].
-    const bool s_first = sib && child && precedes(es, ec, key_depth, nc);
-    const int ms = sib ? ps + (child && !s_first ? 1 : 0) : kNowhere;
-    const int mc = child ? pc + (s_first ? 1 : 0) : kNowhere;
-    w.shift([&](Lane<S>& x, int lane, const Entry& next, const Entry& last) {
-      // next: lane + 1's first slot (empty for lane 31); last: lane - 1's last slot.
-      Entry old[S];
-KDT_WARP_UNROLL
-      for (int k = 0; k < S; ++k) old[k] = x.e[k];
-KDT_WARP_UNROLL
-      for (int k = 0; k < S; ++k) {
-        const int m = lane * S + k + 1;  // this slot's position in M
-        const int shift = (ms < m ? 1 : 0) + (mc < m ? 1 : 0);
-        const Entry& up = k + 1 < S ? old[k + 1 < S ? k + 1 : 0] : next;
-        const Entry& down = k > 0 ? old[k > 0 ? k - 1 : 0] : last;
-        x.e[k] = m == ms ? es : m == mc ? ec : shift == 0 ? up : shift == 1 ? old[k] : down;
+      if (sib && child && lane == hl) {
+        put(x, hs, cs, key, pack(i, 0, depth + 1), -1);
+        changed = true;
       }
+      if (changed) rescan(x, key_depth, nc);
     });
-    top = ms == 0 ? es : mc == 0 ? ec : r0;
+    F += (sib ? 1 : 0) + (child ? 1 : 0) - 1;
+    if (sib && child) ++hw;
   }
   w.sync();
   return count + 1;
 }
 
 // The CPU stand-in for a warp: 32 lane states; each() runs the lanes one after another, the
-// collectives loop over the lanes.
+// collectives loop over the lanes (a shuffle evaluates its source lane only).
 template <int S>
 struct CpuWarp {
   Lane<S> lanes[32];
@@ -235,6 +269,22 @@ struct CpuWarp {
 #endif
   }
   template <class F>
+  KDT_HD uint32_t max(F f) {
+    uint32_t m = 0;
+#if !defined(__CUDA_ARCH__)
+    for (int l = 0; l < 32; ++l) { const uint32_t v = f(lanes[l], l); m = v > m ? v : m; }
+#endif
+    return m;
+  }
+  template <class F>
+  KDT_HD uint32_t min(F f) {
+    uint32_t m = 0xFFFFFFFFu;
+#if !defined(__CUDA_ARCH__)
+    for (int l = 0; l < 32; ++l) { const uint32_t v = f(lanes[l], l); m = v < m ? v : m; }
+#endif
+    return m;
+  }
+  template <class F>
   KDT_HD uint32_t ballot(F f) {
     uint32_t m = 0;
 #if !defined(__CUDA_ARCH__)
@@ -242,17 +292,12 @@ struct CpuWarp {
 #endif
     return m;
   }
-  // Lane 0's first slot.
-  KDT_HD Entry first() const { return lanes[0].e[0]; }
-  // f(lane state, lane, lane + 1's first slot, lane - 1's last slot), every lane seeing the
-  // states from before the call (lane 31 sees an empty next slot).
   template <class F>
-  KDT_HD void shift(F f) {
+  KDT_HD uint32_t shfl(F f, int src) {
 #if !defined(__CUDA_ARCH__)
-    Entry firsts[33], lasts[32];
-    for (int l = 0; l < 32; ++l) { firsts[l] = lanes[l].e[0]; lasts[l] = lanes[l].e[S - 1]; }
-    firsts[32] = make_entry(0.0, 0ull, 0u, -1);
-    for (int l = 0; l < 32; ++l) f(lanes[l], l, firsts[l + 1], lasts[l ? l - 1 : 0]);
+    return f(lanes[src], src);
+#else
+    return 0;
 #endif
   }
   KDT_HD void sync() {}
