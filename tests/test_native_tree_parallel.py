@@ -21,7 +21,8 @@ from engine.native import NativeError
 from engine.reference import ddtree
 
 from native_helpers import (  # noqa: F401 (fixtures)
-    FIELDS_TREE, assert_same, cuda_ready, native, random_build_inputs, skip_cuda_without_gpu)
+    DEVICES, FIELDS_TREE, assert_same, cuda_ready, native, random_build_inputs,
+    skip_cuda_without_gpu)
 
 pytestmark = pytest.mark.native
 
@@ -172,3 +173,43 @@ def test_cuda_parallel_adversarial(monkeypatch, cuda_ready, positive, mode):
         got = native().build_tree(*args[:2], budget, *args[2:], device="cuda")
         assert_same(got, ref, FIELDS_TREE,
                     f"seed={seed} mode={mode} budget={budget} positive={positive}")
+
+
+# The one-copy layout of the parallel build (tree::par::plan): where a block's shared memory
+# holds no second pool copy (sm_120's 99 KB at budgets 1023 and 1024), the pool compacts in place
+# and the order reads scores through the sorted indices. KDT_TREE_BUILD_SMEM emulates the
+# smaller device, on the CPU emulation and on CUDA alike.
+SM120_SMEM = 100352  # sm_120's 99 KB per block, less the kernel's static kilobyte
+# At budget 255 and L <= 16 this fits one copy of the smallest pool (512 entries), never two: the
+# pool overflows and compacts often.
+TIGHT_SMEM_255 = 32000
+
+
+@pytest.mark.parametrize("budget", [1023, 1024])
+def test_one_copy_cpu_strict_bench_inputs(monkeypatch, budget):
+    # bench-like inputs under sm_120's limit: the one-copy layout builds them without the
+    # fallback (fixed seeds: a pool overflow would decline, and strict would then fail).
+    from bench.inputs import tree_inputs
+
+    monkeypatch.setenv("KDT_TREE_BUILD_SMEM", str(SM120_SMEM))
+    monkeypatch.setenv("KDT_TREE_BUILD", "parallel-strict")
+    for seed in range(3):
+        inp = tree_inputs(np.random.default_rng([15, seed, budget]), 4, 15, 64)
+        args = (inp["top_logp"], inp["top_ids"], inp["root_ids"], inp["seq_lens"])
+        ref = ddtree.build_tree(*args[:2], budget, *args[2:])
+        got = native().build_tree(*args[:2], budget, *args[2:], device="cpu")
+        assert_same(got, ref, FIELDS_TREE, f"seed={seed} budget={budget} one copy")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("smem,budget", [(SM120_SMEM, 1023), (SM120_SMEM, 1024),
+                                         (TIGHT_SMEM_255, 255)])
+def test_one_copy_matches_reference(monkeypatch, device, smem, budget):
+    # Random and tie-heavy inputs (a declined request falls back: still exact).
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    monkeypatch.setenv("KDT_TREE_BUILD_SMEM", str(smem))
+    for ties in (False, True, True):
+        K = min(budget, int(rng.integers(1, 1025)))
+        _check(monkeypatch, "parallel", rng, 3, int(rng.integers(1, 17)), K, budget, ties, seed,
+               device=device)

@@ -398,27 +398,12 @@ struct GpuBlock {
   }
 };
 
-// Dynamic shared memory of the parallel kernel for a budget and L (layout in the kernel; 8-byte
-// arrays first, then 4-byte, then 2-byte).
-size_t par_smem_bytes(int budget, int L, int pool_cap) {
-  const size_t n = (size_t)budget + 1, cap = (size_t)pool_cap;
-  return n * 8 + (size_t)(L + 1) * 8 + cap * 4 * 8 + n * 4 + cap * 2 * 4 +
-         (size_t)(cap + tree::par::kOrderBins + 34) * 4 + cap * 3 * 2 + n * 2 * 2;
-}
-
-// The request's log-probs are staged in shared memory (after the arrays above) when they take
-// at most this many bytes: the searches then read them at shared-memory latency.
-constexpr size_t kStageLogpBytes = 16 * 1024;
-__host__ __device__ size_t stage_bytes(int L, int K) {
-  const size_t b = (size_t)L * K * sizeof(float);
-  return b <= kStageLogpBytes ? b : 0;
-}
-
-// kStaged: the request's log-probs are copied to shared memory (stage_bytes > 0). A template
-// argument rather than a run-time choice, so that every log-prob read compiles to a shared (or
-// a global) load: a pointer that may point to either compiles to slower generic loads.
+// kStaged: the request's log-probs are copied to shared memory (tree::par::Plan::staged). A
+// template argument rather than a run-time choice, so that every log-prob read compiles to a
+// shared (or a global) load: a pointer that may point to either compiles to slower generic loads.
+// cap, twin: the pool's capacity and copies (tree::par::plan).
 template <bool kStaged>
-__global__ void tree_build_parallel_kernel(TreeBuildArgs a, int cap) {
+__global__ void tree_build_parallel_kernel(TreeBuildArgs a, int cap, int twin) {
   extern __shared__ double smem[];
   const int n = a.budget + 1, W = (n + 31) / 32;
   const int b = blockIdx.x;
@@ -427,17 +412,23 @@ __global__ void tree_build_parallel_kernel(TreeBuildArgs a, int cap) {
 #if defined(KDT_PAR_PROFILE)
   const long long t_start = clock64();
 #endif
-  // Layout: node scores [n], chain [L + 1], pool scores 2 x [cap], pool keys 2 x [cap] (8
-  // bytes); node cands [n], pool cands 2 x [cap], cnt [cap], hist [kOrderBins], wsum [34] (4
-  // bytes);
-  // srt, order, inv [cap], first_child [n], next_sibling [n] (2 bytes); staged log-probs.
+  // Layout (tree::par::smem_bytes), copies = 2 (twin) or 1, nbuf = 0 (twin) or kCompactBuf:
+  // node scores [n], chain [L + 1], pool scores copies x [cap], pool keys copies x [cap], buffer
+  // scores and keys [nbuf] (8 bytes); node cands [n], pool cands copies x [cap], buffer cands and
+  // new indices [nbuf], cnt [cap], hist [kOrderBins], wsum [34] (4 bytes); srt, order, inv
+  // [cap], first_child [n], next_sibling [n] (2 bytes); staged log-probs.
+  const int copies = twin ? 2 : 1, nbuf = twin ? 0 : tree::par::kCompactBuf;
   double* node_score = smem;
   double* chain = node_score + n;
   double* pool = chain + a.L + 1;
-  uint64_t* keys = reinterpret_cast<uint64_t*>(pool + 2 * cap);
-  uint32_t* node_cand = reinterpret_cast<uint32_t*>(keys + 2 * cap);
+  uint64_t* keys = reinterpret_cast<uint64_t*>(pool + copies * cap);
+  double* bscore = reinterpret_cast<double*>(keys + copies * cap);
+  uint64_t* bkey = reinterpret_cast<uint64_t*>(bscore + nbuf);
+  uint32_t* node_cand = reinterpret_cast<uint32_t*>(bkey + nbuf);
   uint32_t* cands = node_cand + n;
-  int* cnt = reinterpret_cast<int*>(cands + 2 * cap);
+  uint32_t* bcand = cands + copies * cap;
+  int* bto = reinterpret_cast<int*>(bcand + nbuf);
+  int* cnt = bto + nbuf;
   int* hist = cnt + cap;
   int* wsum = hist + tree::par::kOrderBins;
   uint16_t* srt = reinterpret_cast<uint16_t*>(wsum + 34);
@@ -450,8 +441,11 @@ __global__ void tree_build_parallel_kernel(TreeBuildArgs a, int cap) {
   const int64_t* ids = a.top_ids + b * lk;
   tree::Scratch ks{};
   tree::set_key_layout(ks, a.L, a.K);
-  const tree::par::Arrays A{{pool, cands, keys}, {pool + cap, cands + cap, keys + cap},
-                            cnt, srt, order, inv, hist, chain, ks.key_bits, ks.key_depth};
+  const tree::par::Pool second = twin ? tree::par::Pool{pool + cap, cands + cap, keys + cap}
+                                      : tree::par::Pool{nullptr, nullptr, nullptr};
+  const tree::par::Arrays A{{pool, cands, keys}, second, twin != 0, {bscore, bcand, bkey}, bto,
+                            nbuf, cnt, srt, order, inv, hist, chain, ks.key_bits,
+                            ks.key_depth};
   if (threadIdx.x == 0) tree::par::init(S);
   if (kStaged) {
     // Eight loads in flight per thread before the stores.
@@ -487,7 +481,7 @@ __global__ void tree_build_parallel_kernel(TreeBuildArgs a, int cap) {
   int u = tree::par::build(blk, S, A, nodes, lp, a.L, a.K, a.budget, cap);
   if (u < 0) {
     // The serial selection (warp variant) over the pool's memory: its frontier and keys (20 n
-    // bytes) fit in the pool's 40 cap.
+    // bytes) fit in one copy (20 cap bytes; cap > n).
     if (threadIdx.x < 32) {
       tree::Scratch s;
       s.heap_score = pool;
@@ -677,6 +671,23 @@ bool use_warp_variant() {
 
 enum class Mode { kAuto, kWarp, kParallel, kSerial };
 
+// Threads per CTA of the parallel build: KDT_TREE_BUILD_THREADS (read per call; a multiple of 32
+// in [32, 1024], as the CPU emulation takes it) for measurements, else tree::par::threads_for.
+int par_threads(int budget) {
+  const char* v = std::getenv("KDT_TREE_BUILD_THREADS");
+  const int t = v ? std::atoi(v) : 0;
+  return t >= 32 && t % 32 == 0 && t <= 1024 ? t : tree::par::threads_for(budget);
+}
+
+// The shared memory per block the parallel build may plan with: the device's (limit), or less
+// under KDT_TREE_BUILD_SMEM (bytes, read per call), which emulates a smaller device, e.g. 100352
+// for sm_120's 99 KB less the static kilobyte (tests, measurements).
+size_t smem_limit(int limit) {
+  const char* v = std::getenv("KDT_TREE_BUILD_SMEM");
+  const long x = v ? std::atol(v) : 0;
+  return x > 0 && x < limit ? (size_t)x : (size_t)limit;
+}
+
 // KDT_TREE_BUILD, read per call: "serial", "parallel", "warp"; anything else (unset) is auto.
 Mode mode_from_env() {
   const char* v = std::getenv("KDT_TREE_BUILD");
@@ -697,11 +708,11 @@ kdt_status tree_build_cuda(const TreeBuildArgs& a, void* stream) {
       (mode == Mode::kWarp && a.budget <= tree::wrp::kMaxBudget))
     return launch_warp_build(a, st);
   if (mode != Mode::kSerial) {
-    const int T = tree::par::threads_for(a.budget);
+    const int T = par_threads(a.budget);
     // The shared-memory opt-in, once per device at the largest size the device allows, so that
-    // a later call under graph capture makes no attribute call. The pool shrinks (in steps of
-    // 256 entries, never below 2 (budget + 1)) until it fits the device (sm_120: 99 KB per
-    // block); a budget that fits no pool runs the serial kernel.
+    // a later call under graph capture makes no attribute call. tree::par::plan picks the
+    // layout that fits (sm_120: 99 KB per block); a budget that fits none runs the serial
+    // kernel.
     static int optin[64] = {};
     int dev = 0;
     KDT_CUDA_CHECK(cudaGetDevice(&dev), fn);
@@ -712,9 +723,10 @@ kdt_status tree_build_cuda(const TreeBuildArgs& a, void* stream) {
       KDT_CUDA_CHECK(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
                      fn);
       limit -= 1024;  // the kernel's static shared memory (S, used)
-      const int most = (int)(par_smem_bytes(tree::kMaxBudget, tree::kMaxDepth,
-                                            tree::par::pool_capacity(tree::kMaxBudget)) +
-                             kStageLogpBytes);
+      const int most = (int)(tree::par::smem_bytes(tree::kMaxBudget, tree::kMaxDepth,
+                                                   tree::par::pool_capacity(tree::kMaxBudget),
+                                                   true) +
+                             tree::par::kStageLogpBytes);
       limit = limit < most ? limit : most;
       KDT_CUDA_CHECK(cudaFuncSetAttribute(tree_build_parallel_kernel<true>,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize, limit),
@@ -724,17 +736,12 @@ kdt_status tree_build_cuda(const TreeBuildArgs& a, void* stream) {
                      fn);
       if (dev >= 0 && dev < 64) optin[dev] = limit;
     }
-    int cap = tree::par::pool_capacity(a.budget);
-    size_t psmem = par_smem_bytes(a.budget, a.L, cap) + stage_bytes(a.L, a.K);
-    while (psmem > (size_t)limit && cap - 256 >= 2 * (a.budget + 1)) {
-      cap -= 256;
-      psmem = par_smem_bytes(a.budget, a.L, cap) + stage_bytes(a.L, a.K);
-    }
-    if (psmem <= (size_t)limit) {
-      if (stage_bytes(a.L, a.K))
-        tree_build_parallel_kernel<true><<<a.bs, T, psmem, st>>>(a, cap);
+    tree::par::Plan p;
+    if (tree::par::plan(a.budget, a.L, a.K, smem_limit(limit), &p)) {
+      if (p.staged)
+        tree_build_parallel_kernel<true><<<a.bs, T, p.bytes, st>>>(a, p.cap, p.twin ? 1 : 0);
       else
-        tree_build_parallel_kernel<false><<<a.bs, T, psmem, st>>>(a, cap);
+        tree_build_parallel_kernel<false><<<a.bs, T, p.bytes, st>>>(a, p.cap, p.twin ? 1 : 0);
       KDT_CUDA_CHECK(cudaGetLastError(), fn);
       return KDT_OK;
     }

@@ -9,7 +9,9 @@
 // threads (default: the CUDA launch's count), so that it is tested without a GPU. A request
 // the parallel algorithm declines (tree_build_parallel.h) falls back to the heap, as on CUDA;
 // "parallel-strict" reports it as KDT_ERR_INTERNAL instead (tests use it to prove the parallel
-// path ran).
+// path ran). KDT_TREE_BUILD_SMEM (bytes per block) emulates a device with that much shared
+// memory: the parallel build takes the layout the CUDA launch would (tree::par::plan; e.g.
+// 100352 for sm_120: one pool copy at budget 1023).
 #include <cstdlib>
 #include <cstring>
 #include <vector>
@@ -115,29 +117,54 @@ int warp_build_any(const float* lp, int L, int K, int budget, const tree::Scratc
   }
 }
 
-// The parallel algorithm's pool and scratch for one request at a time.
+// The parallel algorithm's pool and scratch for one request at a time: the layout the CUDA
+// launch would pick (tree::par::plan) under KDT_TREE_BUILD_SMEM bytes of shared memory per
+// block when that is set (e.g. 100352: sm_120's), else two copies at pool_capacity.
 struct ParallelScratch {
   int cap, T;
-  std::vector<double> score0, score1, chain;
-  std::vector<uint32_t> cand0, cand1;
-  std::vector<uint64_t> key0, key1;
-  std::vector<int> cnt, hist;
+  bool twin;
+  std::vector<double> score0, score1, chain, bscore;
+  std::vector<uint32_t> cand0, cand1, bcand;
+  std::vector<uint64_t> key0, key1, bkey;
+  std::vector<int> cnt, hist, bto;
   std::vector<uint16_t> srt, order;
   std::vector<int16_t> inv;
   tree::par::Arrays A;
   tree::par::Shared S;
 
-  ParallelScratch(int budget, int L, int K, int threads)
-      : cap(tree::par::pool_capacity(budget)), T(threads), score0(cap), score1(cap),
-        chain(L + 1), cand0(cap), cand1(cap), key0(cap), key1(cap), cnt(cap),
-        hist(tree::par::kOrderBins), srt(cap), order(cap), inv(cap) {
+  ParallelScratch(int L, int K, int threads, const tree::par::Plan& p)
+      : cap(p.cap), T(threads), twin(p.twin), score0(cap), score1(twin ? cap : 0), chain(L + 1),
+        bscore(twin ? 0 : tree::par::kCompactBuf), cand0(cap), cand1(twin ? cap : 0),
+        bcand(bscore.size()), key0(cap), key1(twin ? cap : 0), bkey(bscore.size()), cnt(cap),
+        hist(tree::par::kOrderBins), bto(bscore.size()), srt(cap), order(cap), inv(cap) {
     tree::Scratch ks{};
     tree::set_key_layout(ks, L, K);
     A = tree::par::Arrays{{score0.data(), cand0.data(), key0.data()},
-                          {score1.data(), cand1.data(), key1.data()}, cnt.data(), srt.data(), order.data(),
-                          inv.data(), hist.data(), chain.data(), ks.key_bits, ks.key_depth};
+                          {score1.data(), cand1.data(), key1.data()},
+                          twin,
+                          {bscore.data(), bcand.data(), bkey.data()},
+                          bto.data(),
+                          (int)bscore.size(),
+                          cnt.data(),
+                          srt.data(),
+                          order.data(),
+                          inv.data(),
+                          hist.data(),
+                          chain.data(),
+                          ks.key_bits,
+                          ks.key_depth};
   }
 };
+
+// The layout (see ParallelScratch); false when KDT_TREE_BUILD_SMEM fits none (the CUDA launch
+// then runs the serial kernel: here the heap).
+bool plan_from_env(int budget, int L, int K, tree::par::Plan* p) {
+  const char* v = std::getenv("KDT_TREE_BUILD_SMEM");
+  const long x = v ? std::atol(v) : 0;
+  if (x > 0) return tree::par::plan(budget, L, K, (size_t)x, p);
+  *p = tree::par::Plan{tree::par::pool_capacity(budget), true, true, 0};
+  return true;
+}
 
 int threads_from_env(int budget) {
   const char* v = std::getenv("KDT_TREE_BUILD_THREADS");
@@ -162,7 +189,16 @@ kdt_status tree_build_cpu(const TreeBuildArgs& a) {
   // CUDA.
   const bool warp = algo == Algo::kWarp && a.budget <= tree::wrp::kMaxBudget;
   std::vector<ParallelScratch> ps;
-  if (algo != Algo::kSerial && !warp) ps.emplace_back(a.budget, a.L, a.K, threads_from_env(a.budget));
+  tree::par::Plan plan{};
+  if (algo != Algo::kSerial && !warp) {
+    if (plan_from_env(a.budget, a.L, a.K, &plan))
+      ps.emplace_back(a.L, a.K, threads_from_env(a.budget), plan);
+    else if (algo == Algo::kStrict)
+      return set_error(KDT_ERR_INTERNAL, fn,
+                       "KDT_TREE_BUILD_SMEM=%s bytes fit no layout of the parallel build at "
+                       "budget %d; KDT_TREE_BUILD=parallel-strict refuses the serial fallback",
+                       std::getenv("KDT_TREE_BUILD_SMEM"), a.budget);
+  }
   const tree::par::Nodes nodes{node_score.data(), node_cand.data(), first_child.data(),
                                next_sibling.data()};
   for (int b = 0; b < a.bs; ++b) {
@@ -174,7 +210,7 @@ kdt_status tree_build_cpu(const TreeBuildArgs& a) {
       used = warp_build_any(lp, a.L, a.K, a.budget, s,
                             {node_score.data(), node_cand.data(), first_child.data(),
                              next_sibling.data()});
-    } else if (algo != Algo::kSerial) {
+    } else if (!ps.empty()) {
       CpuBlock blk{ps[0].T};
       tree::par::init(ps[0].S);
       used = tree::par::build(blk, ps[0].S, ps[0].A, nodes, lp, a.L, a.K, a.budget, ps[0].cap);

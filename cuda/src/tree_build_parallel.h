@@ -30,7 +30,9 @@
 //   2. t rises with a 256-bin score histogram whenever the pool keeps more than 1.5 B nodes: if
 //      the bins at or above bin j hold >= B nodes, the B-th best is >= bin j's lower edge. A
 //      level whose runs would overflow the pool raises t over the pool and the runs first, then
-//      compacts the pool (stable; dropped nodes are below t, and so are their subtrees).
+//      compacts the pool (stable; dropped nodes are below t, and so are their subtrees): into
+//      the pool's second copy, or, where shared memory holds one copy only (Arrays::twin; sm_120
+//      at large budgets), in place through a small buffer, a round at a time.
 //   3. The kept nodes are ordered by (score desc, rank path asc): a bucket sort on the score
 //      (1024 buckets), ranks counted inside a bucket; the first B are nodes 1..B. Parents and
 //      child lists (prepend rule) follow from the order: a run is contiguous, so a node's left
@@ -65,6 +67,60 @@ constexpr int kMaxPool = 3072;  // pool capacity bound
 KDT_HD int pool_capacity(int budget) {
   const int c = (4 * (budget + 1) + 255) / 256 * 256;
   return c < kMaxPool ? c : kMaxPool;
+}
+
+// Entries of a compaction round when the pool has one copy (Arrays::twin false).
+constexpr int kCompactBuf = 256;
+
+// Shared memory of the build's arrays for a budget, L, pool capacity and copies (the CUDA
+// kernel's layout: 8-byte arrays first, then 4-byte, then 2-byte), the staged log-probs aside.
+// Per pool entry: 20 bytes a copy (score, key, cand), then cnt, srt, order and inv (10 bytes).
+inline size_t smem_bytes(int budget, int L, int cap, bool twin) {
+  const size_t n = (size_t)budget + 1, c = (size_t)cap, copies = twin ? 2 : 1;
+  const size_t nbuf = twin ? 0 : (size_t)kCompactBuf;
+  return n * 8 + (size_t)(L + 1) * 8 + copies * c * 16 + nbuf * 16 + n * 4 + copies * c * 4 +
+         nbuf * 8 + (c + kOrderBins + 34) * 4 + c * 3 * 2 + n * 2 * 2;
+}
+
+// The request's log-probs are staged in shared memory when they take at most this many bytes
+// (and the layout leaves room): the searches then read them at shared-memory latency.
+constexpr size_t kStageLogpBytes = 16 * 1024;
+inline size_t stage_bytes(int L, int K) {
+  const size_t b = (size_t)L * K * sizeof(float);
+  return b <= kStageLogpBytes ? b : 0;
+}
+
+// A layout of the build for one launch.
+struct Plan {
+  int cap;       // pool capacity
+  bool twin;     // two pool copies
+  bool staged;   // log-probs in shared memory
+  size_t bytes;  // dynamic shared memory in all
+};
+
+// The fastest layout within `limit` bytes of shared memory per block: two pool copies with
+// staged log-probs, then without staging, then one copy (staged, then not); in each, the pool
+// shrinks in steps of 256 entries from pool_capacity, never below 2 (budget + 1). False when
+// none fits (the caller builds another way). H200 (227 KB a block, L = 15): two copies at
+// every budget. sm_120 (99 KB a block): two copies up to budget 767, one copy at 1023 and 1024
+// (a pool of 2304 entries; two copies would need 124 KB at the smallest pool).
+inline bool plan(int budget, int L, int K, size_t limit, Plan* p) {
+  const size_t stage = stage_bytes(L, K);
+  for (int twin = 1; twin >= 0; --twin) {
+    for (int staged = stage ? 1 : 0; staged >= 0; --staged) {
+      int cap = pool_capacity(budget);
+      size_t b = smem_bytes(budget, L, cap, twin != 0) + (staged ? stage : 0);
+      while (b > limit && cap - 256 >= 2 * (budget + 1)) {
+        cap -= 256;
+        b = smem_bytes(budget, L, cap, twin != 0) + (staged ? stage : 0);
+      }
+      if (b <= limit) {
+        *p = Plan{cap, twin != 0, staged != 0, b};
+        return true;
+      }
+    }
+  }
+  return false;
 }
 
 // Threads per CTA for a budget (the CUDA launch and the CPU emulation's default).
@@ -152,13 +208,27 @@ struct Pool {
 // The CTA's arrays in shared memory (the pointers themselves are per thread: registers; no
 // pointer array is indexed at run time, which would put them in local memory).
 struct Arrays {
-  Pool p0, p1;
+  Pool p0, p1;        // p1: the second copy, when twin
+  bool twin;          // false: one copy (a device whose shared memory fits no second one)
+  Pool buf;           // one copy only: [nbuf] entries of a compaction round
+  int* buf_to;        // [nbuf] an entry's new index (-1: dropped)
+  int nbuf;
   KDT_HD Pool pool(int c) const {
     Pool p = c ? p1 : p0;
 #if defined(__CUDA_ARCH__)
     __builtin_assume(__isShared(p.score));
     __builtin_assume(__isShared(p.cand));
     __builtin_assume(__isShared(p.key));
+#endif
+    return p;
+  }
+  KDT_HD Pool buffer() const {
+    Pool p = buf;
+#if defined(__CUDA_ARCH__)
+    __builtin_assume(__isShared(p.score));
+    __builtin_assume(__isShared(p.cand));
+    __builtin_assume(__isShared(p.key));
+    __builtin_assume(__isShared(buf_to));
 #endif
     return p;
   }
@@ -486,25 +556,59 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
         // Stable compaction to the root and the entries >= t (parents remapped).
         const bool all = !bd.has;
         const double tt = bd.t;
-        const Pool Q = A.pool(c ^ 1);
         blk.run([&](int t) {
           for (int e = t; e < le; e += T) A.cnt[e] = (e == 0 || all || P.score[e] >= tt);
         });
         const int kept_c = blk.scan(A.cnt, le);
-        blk.run([&](int t) {
-          for (int e = t; e < le; e += T) {
-            if (!(e == 0 || all || P.score[e] >= tt)) continue;
-            const int ne = A.cnt[e];
-            const uint32_t cd = P.cand[e];
-            Q.score[ne] = P.score[e];
-            Q.key[ne] = P.key[e];
-            Q.cand[ne] =
-                e == 0 ? 0u : pack((uint32_t)A.cnt[cand_parent(cd)], cand_rank(cd), cand_depth(cd));
+        if (A.twin) {
+          const Pool Q = A.pool(c ^ 1);
+          blk.run([&](int t) {
+            for (int e = t; e < le; e += T) {
+              if (!(e == 0 || all || P.score[e] >= tt)) continue;
+              const int ne = A.cnt[e];
+              const uint32_t cd = P.cand[e];
+              Q.score[ne] = P.score[e];
+              Q.key[ne] = P.key[e];
+              Q.cand[ne] = e == 0 ? 0u
+                                  : pack((uint32_t)A.cnt[cand_parent(cd)], cand_rank(cd),
+                                         cand_depth(cd));
+            }
+          });
+          c ^= 1;
+        } else {
+          // In place, nbuf entries a round: each round's kept entries go to the buffer, then
+          // from it to their new indices. A new index is <= the old one and the new indices
+          // rise with the old ones, so a round overwrites only entries of its own round (in the
+          // buffer by then) or of earlier rounds (moved already).
+          const Pool B = A.buffer();
+          for (int r0 = 0; r0 < le; r0 += A.nbuf) {
+            const int r1 = le < r0 + A.nbuf ? le : r0 + A.nbuf;
+            blk.run([&](int t) {
+              for (int e = r0 + t; e < r1; e += T) {
+                const int i = e - r0;
+                if (!(e == 0 || all || P.score[e] >= tt)) { A.buf_to[i] = -1; continue; }
+                const uint32_t cd = P.cand[e];
+                A.buf_to[i] = A.cnt[e];
+                B.score[i] = P.score[e];
+                B.key[i] = P.key[e];
+                B.cand[i] = e == 0 ? 0u
+                                   : pack((uint32_t)A.cnt[cand_parent(cd)], cand_rank(cd),
+                                          cand_depth(cd));
+              }
+            });
+            blk.run([&](int t) {
+              for (int i = t; i < r1 - r0; i += T) {
+                const int ne = A.buf_to[i];
+                if (ne < 0) continue;
+                P.score[ne] = B.score[i];
+                P.key[ne] = B.key[i];
+                P.cand[ne] = B.cand[i];
+              }
+            });
           }
-        });
+        }
         lb = A.cnt[lb];
         le = kept_c;
-        c ^= 1;
         blk.run([](int) {});  // every thread has read cnt
       }
     }
@@ -569,17 +673,21 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
   });
   const int kept_n = blk.scan(A.hist, kOrderBins);  // hist: each bucket's first position
   blk.mark(80);
-  // Bucket by bucket: the entries (srt) with their scores and keys beside them, in the other
-  // pool (free now), so that counting an entry's rank in its bucket reads independent values.
-  const Pool Q = A.pool(c ^ 1);
+  // Bucket by bucket: the entries (srt), and with two copies their scores and keys beside them in
+  // the other one (free now), so that counting an entry's rank in its bucket reads independent
+  // values; with one copy the count reads them through srt.
+  const bool twin = A.twin;
+  const Pool Q = twin ? A.pool(c ^ 1) : P;
   blk.run([&](int t) {
     for (int e = 1 + t; e < n; e += T) {
       const int v = A.cnt[e];
       if (v < 0) continue;
       const int q = A.hist[v >> 16] + (v & 0xFFFF);
       A.srt[q] = (uint16_t)e;
-      Q.score[q] = P.score[e];
-      Q.key[q] = P.key[e];
+      if (twin) {
+        Q.score[q] = P.score[e];
+        Q.key[q] = P.key[e];
+      }
     }
   });
   blk.mark(85);
@@ -587,13 +695,15 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
     for (int q = t; q < kept_n; q += T) {
       const int e = A.srt[q], bk = A.cnt[e] >> 16;
       const int b0 = A.hist[bk], b1 = bk + 1 < kOrderBins ? A.hist[bk + 1] : kept_n;
-      const double se = Q.score[q];
-      const uint64_t ke = Q.key[q];
+      const int y = twin ? q : e;
+      const double se = Q.score[y];
+      const uint64_t ke = Q.key[y];
       int r = b0;
       for (int k = b0; k < b1; ++k) {  // before(), the scores and keys first
-        const double sk = Q.score[k];
+        const int x = twin ? k : A.srt[k];
+        const double sk = Q.score[x];
         if (sk != se) { r += sk > se; continue; }
-        const uint64_t kk = Q.key[k];
+        const uint64_t kk = Q.key[x];
         if (kk != ke) { r += kk < ke; continue; }
         r += k != q && before(P, A.key_depth, A.srt[k], e);
       }
