@@ -68,7 +68,11 @@ def test_kernels_quick_cpu(ctx):
         c = r["case"]
         w = kernels.attention_work(c["bs"], c["prefix"], c["tree"], c["dtype"], 0, 1)
         assert r["work"]["bytes"] == w["bytes"]  # bytes do not depend on the mask
-        assert 0 < r["rates"]["frac_matmul_ceiling"]["value"] < 10
+        # A unit guard (flops or seconds off by 1000x), not a bound on the ceiling's quality: the
+        # quick CPU ceiling (a 512^3 float32 matmul, 5 reps) can run far below the machine's peak
+        # on a shared many-core host (15x below this attention's rate on the H200 host's 16
+        # cores, run 20261201T140737Z-4334ce5-test).
+        assert 0 < r["rates"]["frac_matmul_ceiling"]["value"] < 100
     # every case has our path and both torch peers, on the same inputs (same seed), with a
     # speedup over the torch path (exactly 1 for the torch row itself)
     by_case = {}
