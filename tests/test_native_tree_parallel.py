@@ -150,6 +150,17 @@ def test_cuda_modes_match_reference(monkeypatch, cuda_ready, mode, budget):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("threads", [64, 128])
+def test_cuda_parallel_thread_counts(monkeypatch, cuda_ready, threads):
+    # KDT_TREE_BUILD_THREADS sets the CUDA launch's threads per CTA too (a measurement knob).
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    for budget, K, ties in ((63, 16, True), (255, 64, False), (1023, 64, False), (5, 3, True)):
+        _check(monkeypatch, "parallel", rng, 3, 15, K, budget, ties, seed, device="cuda",
+               threads=threads)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("budget", [15, 255, 1023])
 def test_cuda_warp_large_batch(monkeypatch, cuda_ready, budget):
     # bs > 512: four requests (warps) per CTA, the last CTA partly empty.
