@@ -41,10 +41,12 @@ namespace wrp {
 
 constexpr int kMaxSlots = 32;                  // slots per lane
 constexpr int kMaxBudget = 32 * kMaxSlots - 1;  // 1023: the largest budget this build takes
-// KDT_TREE_BUILD=auto: warp up to here, parallel above. H200, kernel alone (2026-12-01): budget
-// 15, warp 9.5-9.9 us against parallel 11.8-14.1 (256 threads; 12.2-18.0 with 128, 512 or
-// 1024); budget 63, a pop of the warp build costs about 1000 cycles (clock64: 62k cycles for
-// 63 pops at bs 1, about 190 dependent instructions each), parallel 15-21 us.
+// KDT_TREE_BUILD=auto: warp up to here, parallel above. H200, kernel alone (2026-12-01,
+// bench.tree_ab): budget 15, warp 8.7-9.2 us against parallel 12.4-14.6 (256 threads; 12.7-21.2
+// with 32-128); budget 63, warp 36.5-38.5 us against parallel 15.8-21.1 (a pop of the warp
+// build costs about 1000 cycles: 62k cycles for 63 pops at bs 1). A frontier kept sorted
+// across the warp instead (no argmax: a pop merges two entries) measured 1.03x at budget 15 and
+// 1.33x at 63: 390 instructions a pop, moving and selecting whole entries per slot.
 constexpr int kAutoMaxBudget = 15;
 
 // Slots per lane for a budget: the smallest power of two S with 32 S >= budget + 1.
