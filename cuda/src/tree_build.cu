@@ -540,7 +540,8 @@ __host__ __device__ size_t warp_smem_per(int budget, int L, int K) {
 
 // Copies src[0, count) (global) to dst (shared) with one warp: 16-byte loads from src's first
 // 16-byte boundary on (a scalar head and tail around them), eight per lane in flight before
-// their stores, so that up to 1024 floats arrive in one round trip.
+// their stores, so that up to 4096 floats (a request stages at most 2048) arrive in one round
+// trip.
 __device__ void warp_stage(float* dst, const float* src, int count, int lane) {
   const int head = min(count, (int)(((16 - (reinterpret_cast<uintptr_t>(src) & 15)) & 15) >> 2));
   if (lane < head) dst[lane] = __ldg(src + lane);
