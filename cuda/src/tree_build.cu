@@ -672,23 +672,6 @@ bool use_warp_variant() {
 
 enum class Mode { kAuto, kWarp, kParallel, kSerial };
 
-// Threads per CTA of the parallel build: KDT_TREE_BUILD_THREADS (read per call; a multiple of 32
-// in [32, 1024], as the CPU emulation takes it) for measurements, else tree::par::threads_for.
-int par_threads(int budget) {
-  const char* v = std::getenv("KDT_TREE_BUILD_THREADS");
-  const int t = v ? std::atoi(v) : 0;
-  return t >= 32 && t % 32 == 0 && t <= 1024 ? t : tree::par::threads_for(budget);
-}
-
-// The shared memory per block the parallel build may plan with: the device's (limit), or less
-// under KDT_TREE_BUILD_SMEM (bytes, read per call), which emulates a smaller device, e.g. 100352
-// for sm_120's 99 KB less the static kilobyte (tests, measurements).
-size_t smem_limit(int limit) {
-  const char* v = std::getenv("KDT_TREE_BUILD_SMEM");
-  const long x = v ? std::atol(v) : 0;
-  return x > 0 && x < limit ? (size_t)x : (size_t)limit;
-}
-
 // KDT_TREE_BUILD, read per call: "serial", "parallel", "warp"; anything else (unset) is auto.
 Mode mode_from_env() {
   const char* v = std::getenv("KDT_TREE_BUILD");
@@ -709,7 +692,7 @@ kdt_status tree_build_cuda(const TreeBuildArgs& a, void* stream) {
       (mode == Mode::kWarp && a.budget <= tree::wrp::kMaxBudget))
     return launch_warp_build(a, st);
   if (mode != Mode::kSerial) {
-    const int T = par_threads(a.budget);
+    const int T = tree::par::threads_from_env(a.budget);
     // The shared-memory opt-in, once per device at the largest size the device allows, so that
     // a later call under graph capture makes no attribute call. tree::par::plan picks the
     // layout that fits (sm_120: 99 KB per block); a budget that fits none runs the serial
@@ -738,7 +721,8 @@ kdt_status tree_build_cuda(const TreeBuildArgs& a, void* stream) {
       if (dev >= 0 && dev < 64) optin[dev] = limit;
     }
     tree::par::Plan p;
-    if (tree::par::plan(a.budget, a.L, a.K, smem_limit(limit), &p)) {
+    const size_t knob = tree::par::smem_from_env();  // a smaller device, emulated
+    if (tree::par::plan(a.budget, a.L, a.K, knob && knob < (size_t)limit ? knob : limit, &p)) {
       if (p.staged)
         tree_build_parallel_kernel<true><<<a.bs, T, p.bytes, st>>>(a, p.cap, p.twin ? 1 : 0);
       else

@@ -159,17 +159,9 @@ struct ParallelScratch {
 // The layout (see ParallelScratch); false when KDT_TREE_BUILD_SMEM fits none (the CUDA launch
 // then runs the serial kernel: here the heap).
 bool plan_from_env(int budget, int L, int K, tree::par::Plan* p) {
-  const char* v = std::getenv("KDT_TREE_BUILD_SMEM");
-  const long x = v ? std::atol(v) : 0;
-  if (x > 0) return tree::par::plan(budget, L, K, (size_t)x, p);
+  if (const size_t x = tree::par::smem_from_env()) return tree::par::plan(budget, L, K, x, p);
   *p = tree::par::Plan{tree::par::pool_capacity(budget), true, true, 0};
   return true;
-}
-
-int threads_from_env(int budget) {
-  const char* v = std::getenv("KDT_TREE_BUILD_THREADS");
-  const int t = v ? std::atoi(v) : 0;
-  return t >= 32 && t % 32 == 0 && t <= 1024 ? t : tree::par::threads_for(budget);
 }
 
 }  // namespace
@@ -192,7 +184,7 @@ kdt_status tree_build_cpu(const TreeBuildArgs& a) {
   tree::par::Plan plan{};
   if (algo != Algo::kSerial && !warp) {
     if (plan_from_env(a.budget, a.L, a.K, &plan))
-      ps.emplace_back(a.L, a.K, threads_from_env(a.budget), plan);
+      ps.emplace_back(a.L, a.K, tree::par::threads_from_env(a.budget), plan);
     else if (algo == Algo::kStrict)
       return set_error(KDT_ERR_INTERNAL, fn,
                        "KDT_TREE_BUILD_SMEM=%s bytes fit no layout of the parallel build at "

@@ -49,6 +49,7 @@
 #pragma once
 
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "kdtree/hd.h"
 #include "tree_build_core.h"
@@ -125,6 +126,22 @@ inline bool plan(int budget, int L, int K, size_t limit, Plan* p) {
 
 // Threads per CTA for a budget (the CUDA launch and the CPU emulation's default).
 KDT_HD int threads_for(int budget) { return budget < 512 ? 256 : 512; }
+
+// Measurement and test knobs, read per call by the CUDA launch and the CPU emulation alike:
+// KDT_TREE_BUILD_THREADS, threads per CTA (a multiple of 32 in [32, 1024]; else threads_for),
+// and KDT_TREE_BUILD_SMEM, the shared memory per block to plan for (bytes; 0 when unset: the
+// device's), which emulates a smaller device, e.g. 100352 for sm_120's 99 KB less the kernel's
+// static kilobyte.
+inline int threads_from_env(int budget) {
+  const char* v = getenv("KDT_TREE_BUILD_THREADS");
+  const int t = v ? atoi(v) : 0;
+  return t >= 32 && t % 32 == 0 && t <= 1024 ? t : threads_for(budget);
+}
+inline size_t smem_from_env() {
+  const char* v = getenv("KDT_TREE_BUILD_SMEM");
+  const long x = v ? atol(v) : 0;
+  return x > 0 ? (size_t)x : 0;
+}
 
 // Order-preserving map of a double to uint64 (a < b iff map(a) < map(b), -0.0 < +0.0).
 KDT_HD uint64_t ordered(double x) {
