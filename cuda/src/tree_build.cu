@@ -247,8 +247,9 @@ struct GpuBlock {
 #endif
   __device__ int threads() const { return blockDim.x; }
   // chain[d + 1] = lp[0][0] + ... + lp[d][0] (chain[0] = 0; L <= 32: one lane per depth, a
-  // shuffle scan; the caller has checked that these float64 sums are exact, so any order gives
-  // the same bits), and *fmin = min over d of ordered(chain[d] + lp[d][kc - 1]).
+  // shuffle scan; they are used only once the float64 sums are known exact, so any order gives
+  // the same bits), and *fmin = min over d of ordered(chain[d] + lp[d][kc - 1]). Warp 0 only,
+  // no barrier: the caller's next phase ends with one before anything reads them.
   __device__ void chain_sums(const float* lp, int L, int K, int kc, double* chain,
                              unsigned long long* fmin) {
     const int t = threadIdx.x;
@@ -268,7 +269,6 @@ struct GpuBlock {
       const unsigned lo = __reduce_min_sync(kFull, (unsigned)(u >> 32) == hi ? (unsigned)u : ~0u);
       if (t == 0) *fmin = ((unsigned long long)hi << 32) | lo;
     }
-    __syncthreads();
   }
   // For q < m: lens[q] = len(q) and off[q] = lens[0] + ... + lens[q - 1]; returns the total.
   // A chunk of T entries at a time: warp scans, the warps' totals through wsum, two barriers

@@ -444,17 +444,26 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
   const int T = blk.threads();
   const int kc = K < budget ? K : budget;  // ranks >= budget are never selected
   // ---- 0. the exactness check, the chain sums, the first threshold ------------------------
+  // chain[d] = lp[0][0] + ... + lp[d - 1][0], fmin: the family's lowest chain score (warp 0,
+  // alongside the check: no barrier of its own; both are read after the check's). They are
+  // used only when the check passes, when every such sum is exact.
+  blk.chain_sums(lp, L, K, kc, A.chain, &S.fmin);
   blk.run([&](int t) {
     if (t == 0) { A.p0.score[0] = 0.0; A.p0.cand[0] = 0; A.p0.key[0] = 0; }
     for (int i = t; i < kBins; i += T) A.hist[i] = 0;
     int emin = 1 << 30, emax = -(1 << 30), bad = 0;
+    const int step = T % K;
+    int col = t % K;  // i's column, advanced without a division per element
     for (int i = t; i < L * K; i += T) {  // one flat loop: few iterations per thread
       const float x = lp[i];
+      const int c = col;
+      col += step;
+      if (col >= K) col -= K;
       union { float f; uint32_t u; } v;
       v.f = x;
       if (((v.u >> 23) & 0xFFu) == 0xFFu) { bad |= kInexact; continue; }
       if (x > 0.0f) bad |= kAnomaly;
-      if ((i % K) + 1 < K && !(lp[i + 1] <= x)) bad |= kAnomaly;
+      if (c + 1 < K && !(lp[i + 1] <= x)) bad |= kAnomaly;
       if (x != 0.0f) {
         int lsb, top;
         float_exponents(x, lsb, top);
@@ -467,16 +476,17 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
     if (emax > -(1 << 30)) atomic_max_int(&S.emax, emax);
   });
   blk.mark(1);
-  blk.run([&](int t) {
-    if (t != 0) return;
+  // The verdict, by every thread from the scalars (uniform): no phase of its own.
+  {
     int lg = 0;
     while ((1 << lg) < L + 2) ++lg;
-    if (S.emin < (1 << 30) && S.emax + lg > S.emin + 53) S.flags |= kInexact;
-  });
-  blk.mark(4);
-  if (S.flags) return -1;
-  // chain[d] = lp[0][0] + ... + lp[d - 1][0] (exact now); fmin: the family's lowest chain score.
-  blk.chain_sums(lp, L, K, kc, A.chain, &S.fmin);
+    const bool inexact = S.emin < (1 << 30) && S.emax + lg > S.emin + 53;
+    if (S.flags || inexact) {
+      blk.run([](int) {});  // every thread has read S.flags before thread 0 adds to it
+      blk.run([&](int t) { if (t == 0 && inexact) S.flags |= kInexact; });
+      return -1;
+    }
+  }
   blk.mark(2);
   const double top = (double)lp[0];  // the best score of all: depth 1, rank 0
   Bound bd{0.0, false};
