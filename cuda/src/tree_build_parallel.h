@@ -718,7 +718,11 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
     }
   });
   blk.mark(85);
+  const int used = (kept_n < budget ? kept_n : budget) + 1;
   blk.run([&](int t) {
+    // Every node's child list starts empty (the nodes phase then links the parents: written
+    // here, a phase ahead, so that the two writes to a parent's first_child are ordered).
+    for (int i = t; i < used; i += T) N.first_child[i] = -1;
     for (int q = t; q < kept_n; q += T) {
       const int e = A.srt[q], bk = A.cnt[e] >> 16;
       const int b0 = A.hist[bk], b1 = bk + 1 < kOrderBins ? A.hist[bk + 1] : kept_n;
@@ -738,12 +742,9 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
     }
   });
   blk.mark(81);
-  const int used = (kept_n < budget ? kept_n : budget) + 1;
-  // ---- nodes: order[r] is the entry of node r + 1 -------------------------------------------
+  // ---- nodes: order[r] is the entry of node r + 1 (one phase) -------------------------------
   blk.run([&](int t) {
-    if (t == 0) {
-      N.score[0] = 0.0; N.cand[0] = 0; N.first_child[0] = -1; N.next_sibling[0] = -1;
-    }
+    if (t == 0) { N.score[0] = 0.0; N.cand[0] = 0; N.next_sibling[0] = -1; }
     for (int i = 1 + t; i < used; i += T) {
       const int e = A.order[i - 1];
       const uint32_t cd = P.cand[e];
@@ -751,13 +752,6 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
       N.score[i] = P.score[e];
       N.cand[i] = pack((uint32_t)A.inv[cand_parent(cd)], (uint32_t)r, (uint32_t)cand_depth(cd));
       N.next_sibling[i] = r > 0 ? A.inv[e - 1] : (int16_t)-1;
-      N.first_child[i] = -1;
-    }
-  });
-  blk.run([&](int t) {
-    for (int i = 1 + t; i < used; i += T) {
-      const int e = A.order[i - 1];
-      const uint32_t cd = P.cand[e];
       // The last selected child of its run (the run's next entry is rank + 1 of one parent).
       const bool more = e + 1 < n && A.inv[e + 1] &&
                         P.cand[e + 1] == pack(cand_parent(cd), cand_rank(cd) + 1, cand_depth(cd));
