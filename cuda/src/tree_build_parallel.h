@@ -450,7 +450,8 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
   blk.chain_sums(lp, L, K, kc, A.chain, &S.fmin);
   blk.run([&](int t) {
     if (t == 0) { A.p0.score[0] = 0.0; A.p0.cand[0] = 0; A.p0.key[0] = 0; }
-    for (int i = t; i < kBins; i += T) A.hist[i] = 0;
+    // All of hist: the refinements use its first kBins, the order all kOrderBins.
+    for (int i = t; i < kOrderBins; i += T) A.hist[i] = 0;
     int emin = 1 << 30, emax = -(1 << 30), bad = 0;
     const int step = T % K;
     int col = t % K;  // i's column, advanced without a division per element
@@ -490,6 +491,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
   blk.mark(2);
   const double top = (double)lp[0];  // the best score of all: depth 1, rank 0
   Bound bd{0.0, false};
+  bool hist_clean = true;  // hist is all zero (uniform)
   // The family: (0, ..., 0, r) at every depth; the depth-2 grid (r1, r2), 1 <= r1 < g, r2 < g,
   // g ~ sqrt(2 B); and the grid's corner r1 < h, r2 < h, h = (g + 1) / 2, extended by e = 1..E
   // rank-0 steps, (r1, r2, 0, ..., 0) (E = min(3, L - 2)): distinct nodes (an extension has
@@ -512,6 +514,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
       const double corner = (double)lp[g - 1] + (double)lp[(size_t)K + g - 1];
       flo = corner < flo ? corner : flo;
     }
+    hist_clean = false;
     refine(blk, A, bd, flo, top, budget, cap / 2, [&](int t, auto f) {
       for (int i = t; i < nfam; i += T) {  // one flat loop: few iterations per thread
         if (i < nchain) {
@@ -572,6 +575,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
           if (lo != ~0ull) atomic_min_u64(&S.rmin, lo);
         });
         const double lo = bd.has ? bd.t : unordered(S.pmin < S.rmin ? S.pmin : S.rmin);
+        hist_clean = false;
         refine(blk, A, bd, lo, top, budget, cap / 2, [&](int t, auto f) {
           for (int e = 1 + t; e < le; e += T) f(P.score[e]);
           for (int k = t; k < total; k += T) {
@@ -664,6 +668,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
         if (!bd.has && lo != ~0ull) atomic_min_u64(&S.pmin, lo);
       });
     }
+    hist_clean = true;  // the write phase zeroed the refinements' bins
     blk.mark(200 + d);
     kept += end - le;
     lb = le;
@@ -671,6 +676,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
     if (kept > budget + budget / 2 + 16) {
       const Pool P = A.pool(c);
       const double lo = bd.has ? bd.t : unordered(S.pmin);
+      hist_clean = false;
       const int got = refine(blk, A, bd, lo, top, budget, cap / 2, [&](int t, auto f) {
         for (int e = 1 + t; e < le; e += T) f(P.score[e]);
       });
@@ -686,12 +692,17 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
   const double lo = all ? unordered(S.pmin) : tt;
   Bins bins;
   const bool spread = n > 1 && make_bins(lo, top, kOrderBins, bins);
+  // hist's bins above kBins are still zero from the first phase; its first kBins are too
+  // unless a refinement ran after the last level's write.
+  if (!hist_clean) {
+    blk.run([&](int t) {
+      for (int i = t; i < kBins; i += T) A.hist[i] = 0;
+    });
+  }
   blk.run([&](int t) {
-    for (int i = t; i < kOrderBins; i += T) A.hist[i] = 0;
-    for (int e = t; e < n; e += T) A.inv[e] = 0;
-  });
-  blk.run([&](int t) {
+    if (t == 0) A.inv[0] = 0;
     for (int e = 1 + t; e < n; e += T) {
+      A.inv[e] = 0;
       const double s = P.score[e];
       if (!(all || s >= tt)) { A.cnt[e] = -1; continue; }
       const int bk = spread ? kOrderBins - 1 - bins.of(s) : 0;  // bucket 0: the best scores
