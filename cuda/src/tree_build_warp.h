@@ -182,13 +182,19 @@ KDT_WARP_UNROLL
   });
   int F = 1, hw = 1, count = 0;  // frontier size, high-water slot, pops: uniform
   while (F > 0 && count < budget) {
-    // Warp argmax of the lanes' bests.
+    // Warp argmax of the lanes' bests: the high halves of the scores' images first; the low
+    // halves only when two lanes share the highest high half (a ballot, not a second reduction,
+    // settles the common case).
     const uint32_t hi = w.max([](const Lane<S>& x, int) { return (uint32_t)(x.bsu >> 32); });
-    const uint32_t lo = w.max([hi](const Lane<S>& x, int) {
-      return (uint32_t)(x.bsu >> 32) == hi ? (uint32_t)x.bsu : 0u;
-    });
-    const uint64_t top = ((uint64_t)hi << 32) | lo;
-    uint32_t m = w.ballot([top](const Lane<S>& x, int) { return x.bsu == top; });
+    uint32_t m = w.ballot([hi](const Lane<S>& x, int) { return (uint32_t)(x.bsu >> 32) == hi; });
+    uint64_t top = (uint64_t)hi << 32;  // complete only when read (m has several lanes)
+    if (popc32(m) > 1) {
+      const uint32_t lo = w.max([hi](const Lane<S>& x, int) {
+        return (uint32_t)(x.bsu >> 32) == hi ? (uint32_t)x.bsu : 0u;
+      });
+      top |= lo;
+      m = w.ballot([top](const Lane<S>& x, int) { return x.bsu == top; });
+    }
     if (popc32(m) > 1) {  // equal scores: the smallest rank-path key
       const uint32_t khi = w.min([m](const Lane<S>& x, int l) {
         return (m >> l) & 1u ? (uint32_t)(x.bkey >> 32) : 0xFFFFFFFFu;
