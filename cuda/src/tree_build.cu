@@ -242,8 +242,8 @@ struct GpuBlock {
 #if defined(KDT_PAR_PROFILE)
   long long t0 = 0;
   int nmark = 0;
-  long long marks[192];
-  int ids[192];
+  long long* marks;  // [192] shared memory (a local array here would be zeroed per thread)
+  int* ids;          // [192]
 #endif
   __device__ int threads() const { return blockDim.x; }
   // chain[d + 1] = lp[0][0] + ... + lp[d][0] (chain[0] = 0; L <= 32: one lane per depth, a
@@ -403,7 +403,7 @@ struct GpuBlock {
 // shared (or a global) load: a pointer that may point to either compiles to slower generic loads.
 // cap, twin: the pool's capacity and copies (tree::par::plan).
 template <bool kStaged>
-__global__ void tree_build_parallel_kernel(TreeBuildArgs a, int cap, int twin) {
+__global__ void tree_build_parallel_kernel(TreeBuildArgs a, int cap, int twin, int nord) {
   extern __shared__ double smem[];
   const int n = a.budget + 1, W = (n + 31) / 32;
   const int b = blockIdx.x;
@@ -415,7 +415,7 @@ __global__ void tree_build_parallel_kernel(TreeBuildArgs a, int cap, int twin) {
   // Layout (tree::par::smem_bytes), copies = 2 (twin) or 1, nbuf = 0 (twin) or kCompactBuf:
   // node scores [n], chain [L + 1], pool scores copies x [cap], pool keys copies x [cap], buffer
   // scores and keys [nbuf] (8 bytes); node cands [n], pool cands copies x [cap], buffer cands and
-  // new indices [nbuf], cnt [cap], hist [kOrderBins], wsum [34] (4 bytes); srt, order, inv
+  // new indices [nbuf], cnt [cap], hist [nord], wsum [34] (4 bytes); srt, order, inv
   // [cap], first_child [n], next_sibling [n] (2 bytes); staged log-probs.
   const int copies = twin ? 2 : 1, nbuf = twin ? 0 : tree::par::kCompactBuf;
   double* node_score = smem;
@@ -430,7 +430,7 @@ __global__ void tree_build_parallel_kernel(TreeBuildArgs a, int cap, int twin) {
   int* bto = reinterpret_cast<int*>(bcand + nbuf);
   int* cnt = bto + nbuf;
   int* hist = cnt + cap;
-  int* wsum = hist + tree::par::kOrderBins;
+  int* wsum = hist + nord;
   uint16_t* srt = reinterpret_cast<uint16_t*>(wsum + 34);
   uint16_t* order = srt + cap;
   int16_t* inv = reinterpret_cast<int16_t*>(order + cap);
@@ -445,7 +445,7 @@ __global__ void tree_build_parallel_kernel(TreeBuildArgs a, int cap, int twin) {
                                       : tree::par::Pool{nullptr, nullptr, nullptr};
   const tree::par::Arrays A{{pool, cands, keys}, second, twin != 0, {bscore, bcand, bkey}, bto,
                             nbuf, cnt, srt, order, inv, hist, chain, ks.key_bits,
-                            ks.key_depth};
+                            ks.key_depth, nord};
   if (threadIdx.x == 0) tree::par::init(S);
   if (kStaged) {
     // Eight loads in flight per thread before the stores.
@@ -465,6 +465,10 @@ __global__ void tree_build_parallel_kernel(TreeBuildArgs a, int cap, int twin) {
   const tree::par::Nodes nodes{node_score, node_cand, first_child, next_sibling};
   GpuBlock blk{wsum};
 #if defined(KDT_PAR_PROFILE)
+  __shared__ long long prof_marks[192];
+  __shared__ int prof_ids[192];
+  blk.marks = prof_marks;
+  blk.ids = prof_ids;
   blk.t0 = t_start;
   blk.mark(0);  // staged
   // KDT_PAR_REPEAT: build again and keep the last build's marks (is the first one paying for
@@ -707,9 +711,9 @@ kdt_status tree_build_cuda(const TreeBuildArgs& a, void* stream) {
       KDT_CUDA_CHECK(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
                      fn);
       limit -= 1024;  // the kernel's static shared memory (S, used)
-      const int most = (int)(tree::par::smem_bytes(tree::kMaxBudget, tree::kMaxDepth,
-                                                   tree::par::pool_capacity(tree::kMaxBudget),
-                                                   true) +
+      const int cap = tree::par::pool_capacity(tree::kMaxBudget);
+      const int most = (int)(tree::par::smem_bytes(tree::kMaxBudget, tree::kMaxDepth, cap, true,
+                                                   tree::par::order_bins(cap)) +
                              tree::par::kStageLogpBytes);
       limit = limit < most ? limit : most;
       KDT_CUDA_CHECK(cudaFuncSetAttribute(tree_build_parallel_kernel<true>,
@@ -723,10 +727,11 @@ kdt_status tree_build_cuda(const TreeBuildArgs& a, void* stream) {
     tree::par::Plan p;
     const size_t knob = tree::par::smem_from_env();  // a smaller device, emulated
     if (tree::par::plan(a.budget, a.L, a.K, knob && knob < (size_t)limit ? knob : limit, &p)) {
+      const int twin = p.twin ? 1 : 0;
       if (p.staged)
-        tree_build_parallel_kernel<true><<<a.bs, T, p.bytes, st>>>(a, p.cap, p.twin ? 1 : 0);
+        tree_build_parallel_kernel<true><<<a.bs, T, p.bytes, st>>>(a, p.cap, twin, p.nord);
       else
-        tree_build_parallel_kernel<false><<<a.bs, T, p.bytes, st>>>(a, p.cap, p.twin ? 1 : 0);
+        tree_build_parallel_kernel<false><<<a.bs, T, p.bytes, st>>>(a, p.cap, twin, p.nord);
       KDT_CUDA_CHECK(cudaGetLastError(), fn);
       return KDT_OK;
     }

@@ -136,7 +136,7 @@ struct ParallelScratch {
       : cap(p.cap), T(threads), twin(p.twin), score0(cap), score1(twin ? cap : 0), chain(L + 1),
         bscore(twin ? 0 : tree::par::kCompactBuf), cand0(cap), cand1(twin ? cap : 0),
         bcand(bscore.size()), key0(cap), key1(twin ? cap : 0), bkey(bscore.size()), cnt(cap),
-        hist(tree::par::kOrderBins), bto(bscore.size()), srt(cap), order(cap), inv(cap) {
+        hist(p.nord), bto(bscore.size()), srt(cap), order(cap), inv(cap) {
     tree::Scratch ks{};
     tree::set_key_layout(ks, L, K);
     A = tree::par::Arrays{{score0.data(), cand0.data(), key0.data()},
@@ -152,7 +152,8 @@ struct ParallelScratch {
                           hist.data(),
                           chain.data(),
                           ks.key_bits,
-                          ks.key_depth};
+                          ks.key_depth,
+                          p.nord};
   }
 };
 
@@ -160,7 +161,8 @@ struct ParallelScratch {
 // then runs the serial kernel: here the heap).
 bool plan_from_env(int budget, int L, int K, tree::par::Plan* p) {
   if (const size_t x = tree::par::smem_from_env()) return tree::par::plan(budget, L, K, x, p);
-  *p = tree::par::Plan{tree::par::pool_capacity(budget), true, true, 0};
+  const int cap = tree::par::pool_capacity(budget);
+  *p = tree::par::Plan{cap, true, true, tree::par::order_bins(cap), 0};
   return true;
 }
 

@@ -34,9 +34,9 @@
 //      the pool's second copy, or, where shared memory holds one copy only (Arrays::twin; sm_120
 //      at large budgets), in place through a small buffer, a round at a time.
 //   3. The kept nodes are ordered by (score desc, rank path asc): a bucket sort on the score
-//      (1024 buckets), ranks counted inside a bucket; the first B are nodes 1..B. Parents and
-//      child lists (prepend rule) follow from the order: a run is contiguous, so a node's left
-//      sibling is the entry before it.
+//      (order_bins: 1024 buckets, or one per entry of a pool above 2048), ranks counted inside
+//      a bucket; the first B are nodes 1..B. Parents and child lists (prepend rule) follow from
+//      the order: a run is contiguous, so a node's left sibling is the entry before it.
 // Masses of exact ties that overflow the pool even so are declined as well.
 //
 // The Block (tree_build.cu's GpuBlock, tree_build_cpu.cpp's CpuBlock) runs each phase for every
@@ -59,7 +59,7 @@ namespace tree {
 namespace par {
 
 constexpr int kBins = 256;       // histogram bins of the threshold refinement
-constexpr int kOrderBins = 1024; // score buckets of the final order (hist holds this many)
+constexpr int kOrderBins = 1024; // score buckets of the final order, at least (order_bins)
 constexpr int kMaxPool = 3072;  // pool capacity bound
 
 // Pool capacity for a budget: 4 (budget + 1) rounded up to a multiple of 256, at most kMaxPool.
@@ -70,17 +70,25 @@ KDT_HD int pool_capacity(int budget) {
   return c < kMaxPool ? c : kMaxPool;
 }
 
+// Score buckets of the final order for a pool capacity (hist holds this many): one per pool
+// entry above 2048 entries, else kOrderBins. The pool's scores crowd toward the threshold (a
+// tree has more nodes at lower scores), and ranking an entry inside its bucket costs the
+// bucket's size. H200, bench.tree_ab against 1024 buckets: budget 1023 (3072 entries) 0.95x
+// at bs 1 and 0.95-0.97x at bs 64; budget 511 (2048 entries) 1.00-1.01x, so it keeps 1024.
+KDT_HD int order_bins(int cap) { return cap > 2048 ? cap : kOrderBins; }
+
 // Entries of a compaction round when the pool has one copy (Arrays::twin false).
 constexpr int kCompactBuf = 256;
 
-// Shared memory of the build's arrays for a budget, L, pool capacity and copies (the CUDA
-// kernel's layout: 8-byte arrays first, then 4-byte, then 2-byte), the staged log-probs aside.
-// Per pool entry: 20 bytes a copy (score, key, cand), then cnt, srt, order and inv (10 bytes).
-inline size_t smem_bytes(int budget, int L, int cap, bool twin) {
+// Shared memory of the build's arrays for a budget, L, pool capacity, copies and order buckets
+// (the CUDA kernel's layout: 8-byte arrays first, then 4-byte, then 2-byte), the staged
+// log-probs aside. Per pool entry: 20 bytes a copy (score, key, cand), then cnt, srt, order and
+// inv (10 bytes); 4 bytes an order bucket.
+inline size_t smem_bytes(int budget, int L, int cap, bool twin, int nord) {
   const size_t n = (size_t)budget + 1, c = (size_t)cap, copies = twin ? 2 : 1;
   const size_t nbuf = twin ? 0 : (size_t)kCompactBuf;
   return n * 8 + (size_t)(L + 1) * 8 + copies * c * 16 + nbuf * 16 + n * 4 + copies * c * 4 +
-         nbuf * 8 + (c + kOrderBins + 34) * 4 + c * 3 * 2 + n * 2 * 2;
+         nbuf * 8 + (c + (size_t)nord + 34) * 4 + c * 3 * 2 + n * 2 * 2;
 }
 
 // The request's log-probs are staged in shared memory when they take at most this many bytes
@@ -96,28 +104,32 @@ struct Plan {
   int cap;       // pool capacity
   bool twin;     // two pool copies
   bool staged;   // log-probs in shared memory
+  int nord;      // order buckets
   size_t bytes;  // dynamic shared memory in all
 };
 
 // The fastest layout within `limit` bytes of shared memory per block: two pool copies with
 // staged log-probs, then without staging, then one copy (staged, then not); in each, the pool
-// shrinks in steps of 256 entries from pool_capacity, never below 2 (budget + 1). False when
-// none fits (the caller builds another way). H200 (227 KB a block, L = 15): two copies at
-// every budget. sm_120 (99 KB a block): two copies up to budget 767, one copy at 1023 and 1024
-// (a pool of 2304 entries; two copies would need 124 KB at the smallest pool).
+// shrinks in steps of 256 entries from pool_capacity, never below 2 (budget + 1), and takes
+// order_bins buckets where they fit, else kOrderBins (finer buckets never cost pool entries: a
+// smaller pool overflows more often, 1.36x slower at budget 1023 on sm_120's layout). False
+// when none fits (the caller builds another way). H200 (227 KB a block, L = 15): two copies and
+// order_bins at every budget. sm_120 (99 KB a block): two copies up to budget 767, one copy
+// at 1023 and 1024 (a pool of 2304 entries, 1024 buckets; two copies would need 124 KB at the
+// smallest pool).
 inline bool plan(int budget, int L, int K, size_t limit, Plan* p) {
   const size_t stage = stage_bytes(L, K);
   for (int twin = 1; twin >= 0; --twin) {
     for (int staged = stage ? 1 : 0; staged >= 0; --staged) {
-      int cap = pool_capacity(budget);
-      size_t b = smem_bytes(budget, L, cap, twin != 0) + (staged ? stage : 0);
-      while (b > limit && cap - 256 >= 2 * (budget + 1)) {
-        cap -= 256;
-        b = smem_bytes(budget, L, cap, twin != 0) + (staged ? stage : 0);
-      }
-      if (b <= limit) {
-        *p = Plan{cap, twin != 0, staged != 0, b};
-        return true;
+      for (int cap = pool_capacity(budget); cap >= 2 * (budget + 1); cap -= 256) {
+        for (int fine = 1; fine >= 0; --fine) {
+          const int nord = fine ? order_bins(cap) : kOrderBins;
+          const size_t b = smem_bytes(budget, L, cap, twin != 0, nord) + (staged ? stage : 0);
+          if (b <= limit) {
+            *p = Plan{cap, twin != 0, staged != 0, nord, b};
+            return true;
+          }
+        }
       }
     }
   }
@@ -253,9 +265,10 @@ struct Arrays {
   uint16_t* srt;      // [cap] kept entries, bucket by bucket
   uint16_t* order;    // [cap] the entry of node r + 1
   int16_t* inv;       // [cap] node index of a pool entry (0: not selected)
-  int* hist;          // [kOrderBins]
+  int* hist;          // [nord]
   double* chain;      // [L + 1] prefix sums of the rows' first log-probs
   int key_bits, key_depth;
+  int nord;           // order_bins(cap)
 };
 
 // Before each request: the scalars' starting values.
@@ -450,8 +463,8 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
   blk.chain_sums(lp, L, K, kc, A.chain, &S.fmin);
   blk.run([&](int t) {
     if (t == 0) { A.p0.score[0] = 0.0; A.p0.cand[0] = 0; A.p0.key[0] = 0; }
-    // All of hist: the refinements use its first kBins, the order all kOrderBins.
-    for (int i = t; i < kOrderBins; i += T) A.hist[i] = 0;
+    // All of hist: the refinements use its first kBins, the order all nord.
+    for (int i = t; i < A.nord; i += T) A.hist[i] = 0;
     int emin = 1 << 30, emax = -(1 << 30), bad = 0;
     const int step = T % K;
     int col = t % K;  // i's column, advanced without a division per element
@@ -691,7 +704,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
   const double tt = bd.t;
   const double lo = all ? unordered(S.pmin) : tt;
   Bins bins;
-  const bool spread = n > 1 && make_bins(lo, top, kOrderBins, bins);
+  const bool spread = n > 1 && make_bins(lo, top, A.nord, bins);
   // hist's bins above kBins are still zero from the first phase; its first kBins are too
   // unless a refinement ran after the last level's write.
   if (!hist_clean) {
@@ -705,11 +718,11 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
       A.inv[e] = 0;
       const double s = P.score[e];
       if (!(all || s >= tt)) { A.cnt[e] = -1; continue; }
-      const int bk = spread ? kOrderBins - 1 - bins.of(s) : 0;  // bucket 0: the best scores
+      const int bk = spread ? A.nord - 1 - bins.of(s) : 0;  // bucket 0: the best scores
       A.cnt[e] = (bk << 16) | hist_add(A.hist, bk);
     }
   });
-  const int kept_n = blk.scan(A.hist, kOrderBins);  // hist: each bucket's first position
+  const int kept_n = blk.scan(A.hist, A.nord);  // hist: each bucket's first position
   blk.mark(80);
   // Bucket by bucket: the entries (srt), and with two copies their scores and keys beside them in
   // the other one (free now), so that counting an entry's rank in its bucket reads independent
@@ -736,7 +749,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
     for (int i = t; i < used; i += T) N.first_child[i] = -1;
     for (int q = t; q < kept_n; q += T) {
       const int e = A.srt[q], bk = A.cnt[e] >> 16;
-      const int b0 = A.hist[bk], b1 = bk + 1 < kOrderBins ? A.hist[bk + 1] : kept_n;
+      const int b0 = A.hist[bk], b1 = bk + 1 < A.nord ? A.hist[bk + 1] : kept_n;
       const int y = twin ? q : e;
       const double se = Q.score[y];
       const uint64_t ke = Q.key[y];

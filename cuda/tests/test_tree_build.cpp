@@ -8,6 +8,7 @@
 #include <cstdlib>
 
 #include "_tree_io.hpp"
+#include "tree_build_parallel.h"
 
 using namespace kdt_test;
 
@@ -129,6 +130,31 @@ std::string invalid_arguments() {
   return "";
 }
 
+// The parallel build's layouts (tree::par::plan) on the two devices we target, L = 15, K = 64:
+// finer order buckets where they fit, never at the cost of pool entries or a pool copy.
+std::string plan_layouts() {
+  namespace par = kdt::tree::par;
+  struct Want { size_t limit; int budget, cap; bool twin; int nord; };
+  const size_t h200 = 232448 - 1024, sm120 = 100352;  // opt-in bytes less the static kilobyte
+  const Want wants[] = {{h200, 63, 256, true, 1024},     {h200, 511, 2048, true, 1024},
+                        {h200, 1023, 3072, true, 3072},  {h200, 1024, 3072, true, 3072},
+                        {sm120, 767, 1536, true, 1024},  {sm120, 1023, 2304, false, 1024},
+                        {sm120, 1024, 2304, false, 1024}};
+  for (const Want& w : wants) {
+    par::Plan p{};
+    const std::string at = "plan(budget " + std::to_string(w.budget) + ", " +
+                           std::to_string(w.limit) + " bytes)";
+    if (!par::plan(w.budget, 15, 64, w.limit, &p)) return at + ": no layout";
+    if (p.cap != w.cap || p.twin != w.twin || p.nord != w.nord || p.bytes > w.limit ||
+        !p.staged)
+      return at + ": cap " + std::to_string(p.cap) + " twin " + std::to_string(p.twin) +
+             " nord " + std::to_string(p.nord) + " staged " + std::to_string(p.staged) +
+             ", expected cap " + std::to_string(w.cap) + " twin " + std::to_string(w.twin) +
+             " nord " + std::to_string(w.nord) + " staged 1";
+  }
+  return "";
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -136,6 +162,7 @@ int main(int argc, char** argv) {
   const std::string no_cuda = cuda_unavailable();
   h.run("worked_example/cpu", worked_example);
   h.run("invalid_arguments", invalid_arguments);
+  h.run("plan_layouts", plan_layouts);
   if (!kdt_has_cuda()) {
     h.run("cuda_backend_unsupported_in_cpu_build", [] {
       BuildIn in{1, 1, 1, 1, {0.f}, {1}, {0}, {0}};
