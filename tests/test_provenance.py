@@ -50,6 +50,25 @@ def test_git_info_clean_dirty_and_ignored_paths(tmp_path, monkeypatch):
     assert _dirty(clean) == ""
 
 
+def test_git_info_never_writes_the_index(tmp_path, monkeypatch):
+    # A plain `git status` refreshes stale stat data and rewrites .git/index under its lock; a
+    # commit in another thread (hosts fetch in parallel) then fails on index.lock. git_info
+    # runs git with optional locks off, so the index stays as it was.
+    monkeypatch.delenv(provenance.GIT_ENV, raising=False)
+    monkeypatch.delenv("GIT_OPTIONAL_LOCKS", raising=False)
+    git(tmp_path, "init", "-q", "-b", "work")
+    (tmp_path / "a.py").write_text("1\n")
+    git(tmp_path, "add", "a.py")
+    git(tmp_path, "commit", "-q", "-m", "x")
+    st = (tmp_path / "a.py").stat()
+    os.utime(tmp_path / "a.py", (st.st_atime + 10, st.st_mtime + 10))  # stale stat, same bytes
+    index = (tmp_path / ".git/index").read_bytes()
+    assert provenance.git_info(tmp_path)["dirty"] is False
+    assert (tmp_path / ".git/index").read_bytes() == index
+    git(tmp_path, "status", "--porcelain")  # the check can fail: a plain status rewrites it
+    assert (tmp_path / ".git/index").read_bytes() != index
+
+
 def test_git_info_without_checkout_uses_env(tmp_path, monkeypatch):
     monkeypatch.delenv(provenance.GIT_ENV, raising=False)
     assert "no git checkout" in provenance.git_info(tmp_path)["source"]

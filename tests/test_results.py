@@ -77,6 +77,43 @@ def test_commit_paths_commits_only_those_paths(repo):
     assert " M code.py" in status and "A  staged.py" in status
 
 
+def test_commits_and_git_probes_from_parallel_threads(repo):
+    # fetch-results runs one thread per host against one checkout: one host's commit must not
+    # meet another's status probe or uncommitted-run listing on .git/index.lock.
+    import threading
+
+    from engine.remote import provenance
+
+    errors = []
+
+    def commits():
+        try:
+            for i in range(12):
+                (repo / f"results/h/r{i}").mkdir(parents=True)
+                (repo / f"results/h/r{i}/manifest.json").write_text("{}")
+                os.utime(repo / "code.py")  # stale stat data: a plain status rewrites the index
+                results.commit_paths(repo, [f"results/h/r{i}"], f"results: h: r{i}\n")
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    def probes(stop):
+        try:
+            while not stop.is_set():
+                provenance.git_info(repo)
+                results.uncommitted_runs(repo, repo / "results/h")
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    stop = threading.Event()
+    t = threading.Thread(target=probes, args=(stop,))
+    t.start()
+    commits()
+    stop.set()
+    t.join()
+    assert errors == []
+    assert len(git(repo, "log", "--format=%s", "--", "results/h").splitlines()) == 12
+
+
 def test_fetch_verifies_renames_and_commits(repo, host):
     make_run(host, "20260101T000000Z-ddddddd-bench")
     make_run(host, "20260101T000001Z-ddddddd-bench")

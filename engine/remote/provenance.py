@@ -46,18 +46,26 @@ CLOCK_KEYS = ("index", "sm_mhz", "mem_mhz", "max_sm_mhz", "max_mem_mhz", "power_
               "power_limit_w", "temperature_c", "persistence_mode", "throttle_reasons")
 
 
-def _probe(argv: list[str], cwd: str | Path | None = None) -> str | None:
+def _probe(argv: list[str], cwd: str | Path | None = None,
+           env: dict[str, str] | None = None) -> str | None:
     """stdout of argv, or None when the program is missing, fails or hangs."""
     if shutil.which(argv[0]) is None:
         return None
     try:
-        r = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+        r = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S,
+                           env=env)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return r.stdout if r.returncode == 0 else None
 
 
 # ---- git ------------------------------------------------------------------------------------
+
+def read_only_git_env() -> dict[str, str]:
+    """This process's environment with git's optional locks off (GIT_OPTIONAL_LOCKS=0): a
+    status or diff then never writes the index."""
+    return {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}
+
 
 def git_info(repo_root: str | Path) -> dict:
     """sha, branch and dirty state of the checkout at repo_root.
@@ -77,16 +85,20 @@ def git_info(repo_root: str | Path) -> dict:
         return {"sha": None, "short": None, "branch": None, "dirty": None,
                 "source": f"no git checkout at {root} and ${GIT_ENV} is unset"}
     git = ["git", "-C", str(root)]
-    sha = (_probe(git + ["rev-parse", "HEAD"]) or "").strip() or None
-    branch = (_probe(git + ["rev-parse", "--abbrev-ref", "HEAD"]) or "").strip() or None
-    status = _probe(git + ["status", "--porcelain", "--untracked-files=all", "--", "."] + list(NOT_ENGINE)) or ""
+    # Read only: `git status` otherwise refreshes the index and takes .git/index.lock, and a
+    # commit in another thread (hosts fetch in parallel) then fails on the lock.
+    env = read_only_git_env()
+    sha = (_probe(git + ["rev-parse", "HEAD"], env=env) or "").strip() or None
+    branch = (_probe(git + ["rev-parse", "--abbrev-ref", "HEAD"], env=env) or "").strip() or None
+    status = _probe(git + ["status", "--porcelain", "--untracked-files=all", "--", "."] + list(NOT_ENGINE),
+                    env=env) or ""
     dirty = bool(status.strip())
     untracked = sorted(line[3:] for line in status.splitlines() if line.startswith("??"))
     diff_sha = None
     if dirty:
         h = hashlib.sha256()
         h.update(subprocess.run(git + ["diff", "HEAD", "--binary", "--", "."] + list(NOT_ENGINE),
-                                capture_output=True, timeout=PROBE_TIMEOUT_S).stdout)
+                                capture_output=True, timeout=PROBE_TIMEOUT_S, env=env).stdout)
         for rel in untracked:
             h.update(rel.encode() + b"\0")
             p = root / rel

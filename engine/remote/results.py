@@ -50,7 +50,9 @@ from .connect import open_transport
 from .transport import Transport
 
 MANIFEST = "manifest.json"
-_GIT_LOCK = threading.Lock()  # hosts fetch in parallel threads; git has one index
+# Hosts fetch in parallel threads and git has one index: every git command of a fetch holds
+# this lock (re-entrant: a commit holds it across its add, commit and rev-parse).
+_GIT_LOCK = threading.RLock()
 
 
 def sha256_file(path: Path) -> str:
@@ -113,7 +115,8 @@ def select_runs(remote: list[tuple[str, bool]], local: set[str], which: str | No
 
 
 def _git(repo_root: Path, *args: str, check: bool = True) -> str:
-    r = subprocess.run(["git", "-C", str(repo_root), *args], capture_output=True, text=True)
+    with _GIT_LOCK:
+        r = subprocess.run(["git", "-C", str(repo_root), *args], capture_output=True, text=True)
     if check and r.returncode != 0:
         raise TransferError(f"git {' '.join(args[:2])}: {r.stderr.strip() or r.stdout.strip()}",
                             step="commit", hint=f"in {repo_root}")
@@ -280,7 +283,8 @@ def fetch_results(host: Host, repo_root: Path, opts: Options, progress: Progress
                 log(f"plan: refuse {rid}: {why}")
             log("plan: then regenerate docs/BENCHMARKS_" + host.name + ".md and commit" if not opts.no_commit else "plan: no commit")
             return Outcome(host.name, "fetch-results", f"dry run: {len(wanted)} runs to fetch", run_ids=wanted)
-        git_local = provenance.git_info(repo_root)
+        with _GIT_LOCK:
+            git_local = provenance.git_info(repo_root)
         leftover = uncommitted_runs(repo_root, host_dir) if not opts.no_commit else []
         dirty_runs = [rid for rid in wanted if rid not in local and trust.is_dirty_run(rid, manifests[rid][0])]
         dirty_runs += [rid for rid in leftover if rid not in dirty_runs and trust.is_dirty_run(rid, _local_manifest(host_dir / rid))]
