@@ -12,8 +12,8 @@ blocks:
 
 KDT_PAR_REPEAT=2 builds each request twice in the launch and keeps the second build's marks
 (warm shared memory; the staging of the log-probs is outside the repeat). The probes cost
-registers and local-memory stores, so cycles here run above a release build's (about 1.4x at
-budget 1023); compare phases within one profile, and take absolute times from the kernels suite.
+registers, shared-memory stores and about 130 cycles a mark, so cycles here run above a release
+build's; compare phases within one profile, and take absolute times from the kernels suite.
 A block's output-writing phases (96, 97, 99) can stall for tens of thousands of cycles while
 other blocks print: read the slowest block's earlier phases, not those.
 """
