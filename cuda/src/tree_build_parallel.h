@@ -703,7 +703,11 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
   const bool all = !bd.has;
   const double tt = bd.t;
   const double lo = all ? unordered(S.pmin) : tt;
+#if defined(__CUDA_ARCH__)
   Bins bins;
+#else
+  Bins bins{};  // read only when spread; g++ (-Wmaybe-uninitialized) cannot see that
+#endif
   const bool spread = n > 1 && make_bins(lo, top, A.nord, bins);
   // hist's bins above kBins are still zero from the first phase; its first kBins are too
   // unless a refinement ran after the last level's write.
