@@ -50,8 +50,9 @@ from .connect import open_transport
 from .transport import Transport
 
 MANIFEST = "manifest.json"
-# Hosts fetch in parallel threads and git has one index: every git command of a fetch holds
-# this lock (re-entrant: a commit holds it across its add, commit and rev-parse).
+# Hosts fetch in parallel threads and git has one index: every git command run here holds this
+# lock (re-entrant: a commit holds it across its add, commit and rev-parse); provenance.git_info
+# only reads, with git's optional locks off.
 _GIT_LOCK = threading.RLock()
 
 
@@ -283,8 +284,7 @@ def fetch_results(host: Host, repo_root: Path, opts: Options, progress: Progress
                 log(f"plan: refuse {rid}: {why}")
             log("plan: then regenerate docs/BENCHMARKS_" + host.name + ".md and commit" if not opts.no_commit else "plan: no commit")
             return Outcome(host.name, "fetch-results", f"dry run: {len(wanted)} runs to fetch", run_ids=wanted)
-        with _GIT_LOCK:
-            git_local = provenance.git_info(repo_root)
+        git_local = provenance.git_info(repo_root)  # read only (GIT_OPTIONAL_LOCKS=0): no lock
         leftover = uncommitted_runs(repo_root, host_dir) if not opts.no_commit else []
         dirty_runs = [rid for rid in wanted if rid not in local and trust.is_dirty_run(rid, manifests[rid][0])]
         dirty_runs += [rid for rid in leftover if rid not in dirty_runs and trust.is_dirty_run(rid, _local_manifest(host_dir / rid))]
