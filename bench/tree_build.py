@@ -2,7 +2,7 @@
 
 Backends:
   native-cuda   kdt_tree_build's CUDA kernel (the default, KDT_TREE_BUILD=auto: the one-warp build
-                up to budget 255, the block-parallel build above), a bare C-ABI call timed with
+                up to budget 31, the block-parallel build above), a bare C-ABI call timed with
                 CUDA events (inputs and outputs stay on the device; no L2 flush: a real step's
                 drafter has just written the inputs, so they are L2-hot); the record's
                 `kernel_alone` times the kernel alone (a CUDA graph of 20 calls, replayed, / 20)

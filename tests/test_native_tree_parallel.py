@@ -5,7 +5,7 @@ KDT_TREE_BUILD picks the algorithm per call: on the CPU backend "parallel" runs 
 kernel's block-synchronous code thread by thread (KDT_TREE_BUILD_THREADS threads), so it is
 checked here without a GPU; "parallel-strict" refuses the serial fallback, which proves that the
 parallel path itself built the tree; "warp" runs the one-warp best-first build lane by lane
-(budgets <= 1023; 1024 runs "parallel"). On CUDA "auto" (the default: warp up to budget 15,
+(budgets <= 1023; 1024 runs "parallel"). On CUDA "auto" (the default: warp up to budget 31,
 parallel above), "warp", "parallel" and "serial" (the earlier kernel) must all equal the
 reference. Fresh random inputs; failures carry the seed.
 """
@@ -161,7 +161,7 @@ def test_cuda_parallel_thread_counts(monkeypatch, cuda_ready, threads):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("budget", [15, 255, 1023])
+@pytest.mark.parametrize("budget", [15, 63, 255, 1023])
 def test_cuda_warp_large_batch(monkeypatch, cuda_ready, budget):
     # bs > 512: four requests (warps) per CTA, the last CTA partly empty.
     seed = secrets.randbits(32)

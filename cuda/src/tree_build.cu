@@ -2,7 +2,7 @@
 // synchronisation and no allocation: safe under CUDA graph capture.
 //
 // KDT_TREE_BUILD (read per call on the host) picks the algorithm:
-//   auto (the default, unset): warp for budgets <= tree::wrp::kAutoMaxBudget (15), parallel
+//   auto (the default, unset): warp for budgets <= tree::wrp::kAutoMaxBudget (31), parallel
 //     above.
 //   warp: tree_build_warp.h, one warp per request (one CTA of one warp per request up to bs 512,
 //     up to four warps per CTA beyond); no block barrier; the frontier in registers (S = 16 and
@@ -529,17 +529,19 @@ struct GpuWarp {
   __device__ __forceinline__ void sync() { __syncwarp(); }
 };
 
-// Per-warp shared memory: node scores [n] (8 bytes), its root id and seq_len, node cands [n]
-// (4), first_child and next_sibling [n] (2 each), then its log-probs when they take
+// Per-warp shared memory: node scores [n] (8 bytes), its root id and seq_len, then, up to budget
+// 63, the nodes' visibility rows [n] (8 bytes: tree::wrp::WarpNodes::mask); node cands [n] (4),
+// first_child and next_sibling [n] (2 each), then its log-probs when they take
 // <= kWarpStageBytes; rounded up to 8 bytes. At most 16 x 1024 + 8 KB = 24 KB a warp.
 constexpr int kWarpStageBytes = 8 * 1024;
+constexpr int kWarpMaskBudget = 63;  // visibility rows built with the tree up to here
 __host__ __device__ size_t warp_stage_bytes(int L, int K) {
   const size_t b = (size_t)L * K * sizeof(float);
   return b <= (size_t)kWarpStageBytes ? b : 0;
 }
 __host__ __device__ size_t warp_smem_per(int budget, int L, int K) {
-  const size_t n = (size_t)budget + 1;
-  return (16 * n + 16 + warp_stage_bytes(L, K) + 7) / 8 * 8;
+  const size_t n = (size_t)budget + 1, masks = budget <= kWarpMaskBudget ? 8 * n : 0;
+  return (16 * n + 16 + masks + warp_stage_bytes(L, K) + 7) / 8 * 8;
 }
 
 // Copies src[0, count) (global) to dst (shared) with one warp: 16-byte loads from src's first
@@ -584,16 +586,26 @@ __device__ void warp_prefetch_l1(const void* p, size_t bytes, int lane) {
 }
 
 // The warp writes one request's outputs: slots (lanes on consecutive slots), then visibility
-// one row per lane: a single ancestor walk (descending indices) emits the row's words from the
-// last down.
+// one row per lane: from the row built with the tree (mask, budget <= 63; rows beyond the used
+// slots are zero), else a single ancestor walk (descending indices) that emits the row's words
+// from the last down.
 __device__ void warp_write_outputs(const TreeBuildArgs& a, int b, int n, int W, int used,
                                    const uint32_t* node_cand, const double* node_score,
-                                   const int16_t* fc, const int16_t* ns, const int64_t* ids,
-                                   int64_t root, int64_t seq_len, int lane) {
+                                   const int16_t* fc, const int16_t* ns, const uint64_t* mask,
+                                   const int64_t* ids, int64_t root, int64_t seq_len, int lane) {
   const size_t o = (size_t)b * n;
   for (int i = lane; i < n; i += 32)
     write_tree_slot(a, o, i, used, root, seq_len, node_cand, node_score, fc, ns, ids);
-  write_visibility_rows(a.visibility + o * W, n, W, used, node_cand, lane, 32);
+  uint32_t* vis = a.visibility + o * W;
+  if (mask) {  // W <= 2
+    for (int i = lane; i < n; i += 32) {
+      const uint64_t r = i < used ? mask[i] : 0ull;
+      vis[(size_t)i * W] = (uint32_t)r;
+      if (W > 1) vis[(size_t)i * W + 1] = (uint32_t)(r >> 32);
+    }
+  } else {
+    write_visibility_rows(vis, n, W, used, node_cand, lane, 32);
+  }
   if (lane == 0) a.num_nodes[b] = used;
 }
 
@@ -610,7 +622,9 @@ __global__ void __launch_bounds__(128) tree_build_warp_kernel(TreeBuildArgs a) {
                (size_t)(threadIdx.x >> 5) * warp_smem_per(a.budget, a.L, a.K);
   double* node_score = reinterpret_cast<double*>(base);
   int64_t* meta = reinterpret_cast<int64_t*>(node_score + n);  // root id, seq_len
-  uint32_t* node_cand = reinterpret_cast<uint32_t*>(meta + 2);
+  uint64_t* rows = reinterpret_cast<uint64_t*>(meta + 2);
+  uint64_t* mask = a.budget <= kWarpMaskBudget ? rows : nullptr;  // [n] when used
+  uint32_t* node_cand = reinterpret_cast<uint32_t*>(mask ? rows + n : rows);
   int16_t* fc = reinterpret_cast<int16_t*>(node_cand + n);
   int16_t* ns = fc + n;
   const size_t lk = (size_t)a.L * a.K;
@@ -630,9 +644,9 @@ __global__ void __launch_bounds__(128) tree_build_warp_kernel(TreeBuildArgs a) {
   GpuWarp<S> w;
   w.lane = lane;
   const int used = tree::wrp::build<S>(w, lp, a.L, a.K, a.budget, ks.key_bits, ks.key_depth,
-                                       {node_score, node_cand, fc, ns});
-  warp_write_outputs(a, b, n, W, used, node_cand, node_score, fc, ns, ids, meta[0], meta[1],
-                     lane);
+                                       {node_score, node_cand, fc, ns, mask});
+  warp_write_outputs(a, b, n, W, used, node_cand, node_score, fc, ns, mask, ids, meta[0],
+                     meta[1], lane);
 }
 
 template <int S>

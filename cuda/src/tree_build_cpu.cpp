@@ -182,6 +182,8 @@ kdt_status tree_build_cpu(const TreeBuildArgs& a) {
   // "warp" takes budgets up to tree::wrp::kMaxBudget; larger ones run the parallel build, as on
   // CUDA.
   const bool warp = algo == Algo::kWarp && a.budget <= tree::wrp::kMaxBudget;
+  // Up to budget 63 the warp build also makes the visibility rows (tree::wrp::WarpNodes::mask).
+  std::vector<uint64_t> masks(warp && n <= 64 ? n : 0);
   std::vector<ParallelScratch> ps;
   tree::par::Plan plan{};
   if (algo != Algo::kSerial && !warp) {
@@ -203,7 +205,7 @@ kdt_status tree_build_cpu(const TreeBuildArgs& a) {
     if (warp) {
       used = warp_build_any(lp, a.L, a.K, a.budget, s,
                             {node_score.data(), node_cand.data(), first_child.data(),
-                             next_sibling.data()});
+                             next_sibling.data(), masks.empty() ? nullptr : masks.data()});
     } else if (!ps.empty()) {
       CpuBlock blk{ps[0].T};
       tree::par::init(ps[0].S);
@@ -227,6 +229,12 @@ kdt_status tree_build_cpu(const TreeBuildArgs& a) {
     // CUDA kernels walk each row's ancestors instead (tree_build.cu, write_visibility_rows).
     uint32_t* vis = a.visibility + (size_t)b * n * W;
     std::memset(vis, 0, sizeof(uint32_t) * (size_t)n * W);
+    if (warp && !masks.empty()) {  // the rows the warp build made with the tree (as on CUDA)
+      for (int i = 0; i < used; ++i)
+        for (int w = 0; w < W; ++w) vis[(size_t)i * W + w] = (uint32_t)(masks[i] >> (32 * w));
+      a.num_nodes[b] = used;
+      continue;
+    }
     vis[0] = 1u;
     for (int i = 1; i < used; ++i) {
       const int p = tree::cand_parent(node_cand[i]);

@@ -7,20 +7,26 @@
 // score descending, then rank path ascending), with the frontier held in registers:
 //   - the frontier (at most budget + 1 entries) lives in 32 x S slots, S per lane (a compile-time
 //     count, so the slot arrays stay in registers); each lane caches its best entry;
-//   - a pop is a warp argmax of the lanes' bests: two 32-bit max reductions over the
-//     order-preserving image of the score (redux.sync), a ballot, and only on equal scores two
-//     min reductions over the rank-path prefix key (tree_build_core.h), then, on equal keys, the
-//     full rank-path comparison lane pair by lane pair (rare);
+//   - a pop is a warp argmax of the lanes' bests: one 32-bit max reduction (redux.sync) over the
+//     high half of the order-preserving image of the score with its low 5 bits replaced by the
+//     lane, so the result names the winning lane; a ballot checks that no other lane shares the
+//     27 bits, and only when one does, the full scores, then two min reductions over the
+//     rank-path prefix key (tree_build_core.h), then, on equal keys, the full rank-path
+//     comparison lane pair by lane pair (rare) settle it (resolve_tie);
 //   - every lane computes the winner's sibling and child scores itself (the log-probs are in
-//     shared memory; same reads everywhere), so no lane waits for another's write;
+//     shared memory; same reads everywhere), so no lane waits for another's write, and no
+//     branch depends on the winner's lane: a pop is one dependent chain, and its cost is its
+//     length (about 470 cycles on the H200 with one slot a lane, against about 940 when the
+//     lanes branched on their roles);
 //   - the sibling (or child) takes the winner's slot, the other push the next never-used slot
 //     (a high-water mark, < budget + 1); only the lanes whose slots changed rescan their S slots.
 //   - keys travel with the entries (a child's key is its parent's, a sibling's its left
 //     sibling's plus one in its rank field), and each entry carries the node index of its left
 //     sibling, which is its next_sibling under the prepend rule (siblings pop in rank order), so a
-//     pop reads no node array. Every lane writes node_cand[i] itself (the same value): the rare
-//     full rank-path comparison reads node_cand, and each lane reads only its own writes; lane 0
-//     writes the other node arrays, read after the final warp barrier.
+//     pop reads no node array. Every lane writes the node arrays itself (the same value to the
+//     same address): the rare full rank-path comparison reads node_cand, and each lane reads
+//     only its own writes; the rest is read after the final warp barrier. Up to budget 63 the
+//     nodes' visibility rows are built alongside (a row is its parent's plus its own bit).
 #pragma once
 
 #include <stdint.h>
@@ -41,13 +47,14 @@ namespace wrp {
 
 constexpr int kMaxSlots = 32;                  // slots per lane
 constexpr int kMaxBudget = 32 * kMaxSlots - 1;  // 1023: the largest budget this build takes
-// KDT_TREE_BUILD=auto: warp up to here, parallel above. H200, kernel alone (2026-12-01,
-// bench.tree_ab): budget 15, warp 8.7-9.2 us against parallel 12.4-14.6 (256 threads; 12.7-21.2
-// with 32-128); budget 63, warp 36.5-38.5 us against parallel 15.8-21.1 (a pop of the warp
-// build costs about 1000 cycles: 62k cycles for 63 pops at bs 1). A frontier kept sorted
+// KDT_TREE_BUILD=auto: warp up to here (one slot a lane), parallel above. H200, kernel alone
+// (bench.tree_ab, 2026-12-01): budget 15, warp 5.5-6.6 us against parallel 12.5-14.5; budget
+// 31, warp 8.5 (bs 1) and 10.9 us (bs 64) against parallel 14.2 and 16.9; budget 63 (two slots
+// a lane, a rescan a pop), warp 27.7-29.3 us against parallel 15.0-19.3. A frontier kept sorted
 // across the warp instead (no argmax: a pop merges two entries) measured 1.03x at budget 15 and
-// 1.33x at 63: 390 instructions a pop, moving and selecting whole entries per slot.
-constexpr int kAutoMaxBudget = 15;
+// 1.33x at 63 against the earlier, branching pop: 390 instructions a pop, moving and selecting
+// whole entries per slot.
+constexpr int kAutoMaxBudget = 31;
 
 // Slots per lane for a budget: the smallest power of two S with 32 S >= budget + 1.
 KDT_HD int slots_for(int budget) {
@@ -159,11 +166,57 @@ struct WarpNodes {
   uint32_t* cand;
   int16_t* first_child;
   int16_t* next_sibling;
+  uint64_t* mask;  // budget <= 63, else null: node i's visibility row (ancestors and i)
 };
+
+// The winner among the lanes of m (more than one): the highest score (high halves of the
+// images, then low halves), then the smallest rank-path key, then depths or the full rank paths
+// lane pair by lane pair (rare). Returns a mask of the one winning lane.
+template <int S, class Warp>
+KDT_HD uint32_t resolve_tie(Warp& w, uint32_t m, int key_depth, const uint32_t* nc) {
+  const uint32_t hi = w.max([m](const Lane<S>& x, int l) {
+    return (m >> l) & 1u ? (uint32_t)(x.bsu >> 32) : 0u;
+  });
+  m = w.ballot([m, hi](const Lane<S>& x, int l) {
+    return ((m >> l) & 1u) && (uint32_t)(x.bsu >> 32) == hi;
+  });
+  if (popc32(m) < 2) return m;
+  const uint32_t lo = w.max([m](const Lane<S>& x, int l) {
+    return (m >> l) & 1u ? (uint32_t)x.bsu : 0u;
+  });
+  const uint64_t t = ((uint64_t)hi << 32) | lo;
+  m = w.ballot([m, t](const Lane<S>& x, int l) { return ((m >> l) & 1u) && x.bsu == t; });
+  if (popc32(m) < 2) return m;
+  // Equal scores: the smallest rank-path key.
+  const uint32_t khi = w.min([m](const Lane<S>& x, int l) {
+    return (m >> l) & 1u ? (uint32_t)(x.bkey >> 32) : 0xFFFFFFFFu;
+  });
+  const uint32_t klo = w.min([m, khi](const Lane<S>& x, int l) {
+    return ((m >> l) & 1u) && (uint32_t)(x.bkey >> 32) == khi ? (uint32_t)x.bkey : 0xFFFFFFFFu;
+  });
+  const uint64_t kk = ((uint64_t)khi << 32) | klo;
+  m = w.ballot([m, kk](const Lane<S>& x, int l) { return ((m >> l) & 1u) && x.bkey == kk; });
+  if (popc32(m) < 2) return m;
+  // Equal keys: depths, or the full rank paths, pair by pair.
+  int wl = ffs32(m);
+  uint32_t wc = w.shfl([](const Lane<S>& x, int) { return x.bcand; }, wl);
+  for (uint32_t rest = m & (m - 1); rest; rest &= rest - 1) {
+    const int l = ffs32(rest);
+    const uint32_t c = w.shfl([](const Lane<S>& x, int) { return x.bcand; }, l);
+    if (precedes(t, kk, c, t, kk, wc, key_depth, nc)) { wl = l; wc = c; }
+  }
+  return 1u << wl;
+}
 
 // Builds one request on the warp w (Warp: each / max / min / ballot / shfl / sync, see CpuWarp
 // and the CUDA kernel's GpuWarp); lp is [L, K] (shared memory on CUDA). Returns the slots used
 // (root included), as tree::build_one does. budget <= 32 S - 1.
+//
+// A pop is one dependent chain on one warp, so its cost is its length: every value a pop
+// derives from the winner is computed by every lane alike (uniform; no branch on the winner's
+// lane), the node arrays are written by every lane (the same value to the same address), and
+// the winner's and the high-water lane's updates are selects. With one slot a lane (S = 1) the
+// lane's best is its entry: no rescan.
 template <int S, class Warp>
 KDT_HD int build(Warp& w, const float* lp, int L, int K, int budget, int key_bits, int key_depth,
                  const WarpNodes& N) {
@@ -173,91 +226,86 @@ KDT_WARP_UNROLL
     for (int k = 0; k < S; ++k) x.cand[k] = 0;
     if (lane == 0) put(x, 0, (double)lp[0], 0ull, pack(0, 0, 1), -1);
     N.cand[0] = 0;
-    if (lane == 0) {
-      N.score[0] = 0.0;
-      N.first_child[0] = -1;
-      N.next_sibling[0] = -1;
-    }
+    N.score[0] = 0.0;
+    N.first_child[0] = -1;
+    N.next_sibling[0] = -1;
+    if (N.mask) N.mask[0] = 1ull;
     rescan(x, key_depth, nc);
   });
   int F = 1, hw = 1, count = 0;  // frontier size, high-water slot, pops: uniform
   while (F > 0 && count < budget) {
-    // Warp argmax of the lanes' bests: the high halves of the scores' images first; the low
-    // halves only when two lanes share the highest high half (a ballot, not a second reduction,
-    // settles the common case).
-    const uint32_t hi = w.max([](const Lane<S>& x, int) { return (uint32_t)(x.bsu >> 32); });
-    uint32_t m = w.ballot([hi](const Lane<S>& x, int) { return (uint32_t)(x.bsu >> 32) == hi; });
-    uint64_t top = (uint64_t)hi << 32;  // complete only when read (m has several lanes)
+    // Warp argmax of the lanes' bests in one reduction: the high half of a best's image with
+    // its low 5 bits replaced by 31 - lane names the winning lane. The shuffles from that lane
+    // go out at once; a ballot (off the chain) checks that no other lane shares the 27 bits,
+    // and resolve_tie settles the rare case where one does.
+    const uint32_t mx = w.max([](const Lane<S>& x, int lane) {
+      return ((uint32_t)(x.bsu >> 32) & ~31u) | (31u - (uint32_t)lane);
+    });
+    int wl = 31 - (int)(mx & 31u);
+    auto pick = [&](int l, uint32_t* v) {
+      v[0] = w.shfl([](const Lane<S>& x, int) { return x.bcand; }, l);
+      v[1] = w.shfl([](const Lane<S>& x, int) { return (uint32_t)(x.bkey >> 32); }, l);
+      v[2] = w.shfl([](const Lane<S>& x, int) { return (uint32_t)x.bkey; }, l);
+      v[3] = w.shfl([](const Lane<S>& x, int) { return (uint32_t)(bits(x.bsc) >> 32); }, l);
+      v[4] = w.shfl([](const Lane<S>& x, int) { return (uint32_t)bits(x.bsc); }, l);
+      v[5] = w.shfl([](const Lane<S>& x, int) { return (uint32_t)x.bprev; }, l);
+    };
+    uint32_t v[6];
+    pick(wl, v);
+    const uint32_t m = w.ballot([mx](const Lane<S>& x, int) {
+      return ((uint32_t)(x.bsu >> 32) & ~31u) == (mx & ~31u);
+    });
     if (popc32(m) > 1) {
-      const uint32_t lo = w.max([hi](const Lane<S>& x, int) {
-        return (uint32_t)(x.bsu >> 32) == hi ? (uint32_t)x.bsu : 0u;
-      });
-      top |= lo;
-      m = w.ballot([top](const Lane<S>& x, int) { return x.bsu == top; });
+      wl = ffs32(resolve_tie<S>(w, m, key_depth, nc));
+      pick(wl, v);
     }
-    if (popc32(m) > 1) {  // equal scores: the smallest rank-path key
-      const uint32_t khi = w.min([m](const Lane<S>& x, int l) {
-        return (m >> l) & 1u ? (uint32_t)(x.bkey >> 32) : 0xFFFFFFFFu;
-      });
-      const uint32_t klo = w.min([m, khi](const Lane<S>& x, int l) {
-        return ((m >> l) & 1u) && (uint32_t)(x.bkey >> 32) == khi ? (uint32_t)x.bkey
-                                                                   : 0xFFFFFFFFu;
-      });
-      const uint64_t kk = ((uint64_t)khi << 32) | klo;
-      m = w.ballot([m, kk](const Lane<S>& x, int l) { return ((m >> l) & 1u) && x.bkey == kk; });
-      if (popc32(m) > 1) {  // equal keys: depths, or the full rank paths, pair by pair
-        int wl = ffs32(m);
-        uint32_t wc = w.shfl([](const Lane<S>& x, int) { return x.bcand; }, wl);
-        for (uint32_t rest = m & (m - 1); rest; rest &= rest - 1) {
-          const int l = ffs32(rest);
-          const uint32_t c = w.shfl([](const Lane<S>& x, int) { return x.bcand; }, l);
-          if (precedes(top, kk, c, top, kk, wc, key_depth, nc)) { wl = l; wc = c; }
-        }
-        m = 1u << wl;
-      }
-    }
-    const int wl = ffs32(m);
-    const uint32_t cand = w.shfl([](const Lane<S>& x, int) { return x.bcand; }, wl);
-    const uint32_t khi = w.shfl([](const Lane<S>& x, int) { return (uint32_t)(x.bkey >> 32); }, wl);
-    const uint32_t klo = w.shfl([](const Lane<S>& x, int) { return (uint32_t)x.bkey; }, wl);
-    const uint32_t shi =
-        w.shfl([](const Lane<S>& x, int) { return (uint32_t)(bits(x.bsc) >> 32); }, wl);
-    const uint32_t slo = w.shfl([](const Lane<S>& x, int) { return (uint32_t)bits(x.bsc); }, wl);
-    const int prev = (int)w.shfl([](const Lane<S>& x, int) { return (uint32_t)x.bprev; }, wl);
+    const uint32_t cand = v[0], khi = v[1], klo = v[2], shi = v[3], slo = v[4];
+    const int prev = (int)v[5];
     const uint64_t key = ((uint64_t)khi << 32) | klo;
     const double score = from_bits(((uint64_t)shi << 32) | slo);
     const int parent = cand_parent(cand), rank = cand_rank(cand), depth = cand_depth(cand);
     const int i = ++count;
-    const bool sib = rank + 1 < K, child = depth < L;
-    const float* row = lp + (size_t)(depth - 1) * K;
-    // (score - lp[d-1][r]) + lp[d-1][r+1], left to right in float64 (DDTREE.md section 2)
-    const double ss = sib ? (score - (double)row[rank]) + (double)row[rank + 1] : 0.0;
-    const double cs = child ? score + (double)lp[(size_t)depth * K] : 0.0;
+    const bool sib = rank + 1 < K, child = depth < L, both = sib && child;
+    // (score - lp[d-1][r]) + lp[d-1][r+1], left to right in float64 (DDTREE.md section 2); the
+    // loads are unconditional (indices clamped into the request's rows), the scores selected.
+    const int at = (depth - 1) * K + rank;
+    const double a = (double)lp[at], b = (double)lp[sib ? at + 1 : at];
+    const double c = (double)lp[child ? depth * K : 0];
+    const double ss = (score - a) + b;
+    const double cs = score + c;
     const uint64_t skey = depth <= key_depth ? key + (1ull << (64 - key_bits * depth)) : key;
+    const uint32_t scand = pack(parent, rank + 1, depth), ccand = pack(i, 0, depth + 1);
+    // The winner's entry becomes its sibling, else its child, else empty; with both, the child
+    // takes the next never-used slot (hw).
+    const uint64_t ssu = ord(ss), csu = ord(cs);
+    const double wsc = sib ? ss : cs;
+    const uint64_t wsu = sib ? ssu : (child ? csu : 0ull);
+    const uint64_t wkey = sib ? skey : key;
+    const uint32_t wcand = sib ? scand : (child ? ccand : 0u);
+    const int wprev = sib ? i : -1;
     const int hl = hw & 31, hs = hw >> 5;
     w.each([&](Lane<S>& x, int lane) {
-      N.cand[i] = cand;  // every lane: each reads only its own writes (compare_paths)
-      if (lane == 0) {
-        N.score[i] = score;
-        N.first_child[i] = -1;
-        N.next_sibling[i] = (int16_t)prev;  // the prepend rule: the rank - 1 sibling
-        N.first_child[parent] = (int16_t)i;
+      N.cand[i] = cand;  // every lane (each reads only its own writes: compare_paths)
+      N.score[i] = score;
+      N.first_child[i] = -1;
+      N.next_sibling[i] = (int16_t)prev;  // the prepend rule: the rank - 1 sibling
+      N.first_child[parent] = (int16_t)i;
+      if (N.mask) N.mask[i] = N.mask[parent] | (1ull << i);
+      const bool mw = lane == wl, mh = both && lane == hl;
+      if (S == 1) {
+        x.bsu = mw ? wsu : (mh ? csu : x.bsu);
+        x.bsc = mw ? wsc : (mh ? cs : x.bsc);
+        x.bkey = mw ? wkey : (mh ? key : x.bkey);
+        x.bcand = mw ? wcand : (mh ? ccand : x.bcand);
+        x.bprev = mw ? wprev : (mh ? -1 : x.bprev);
+      } else {
+        if (mw) put(x, x.best, wsc, wkey, wcand, wprev);
+        if (mh) put(x, hs, cs, key, ccand, -1);
+        if (mw || mh) rescan(x, key_depth, nc);
       }
-      bool changed = false;
-      if (lane == wl) {
-        if (sib) put(x, x.best, ss, skey, pack(parent, rank + 1, depth), i);
-        else if (child) put(x, x.best, cs, key, pack(i, 0, depth + 1), -1);
-        else clear(x, x.best);
-        changed = true;
-      }
-      if (sib && child && lane == hl) {
-        put(x, hs, cs, key, pack(i, 0, depth + 1), -1);
-        changed = true;
-      }
-      if (changed) rescan(x, key_depth, nc);
     });
     F += (sib ? 1 : 0) + (child ? 1 : 0) - 1;
-    if (sib && child) ++hw;
+    if (both) ++hw;
   }
   w.sync();
   return count + 1;
