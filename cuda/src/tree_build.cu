@@ -531,12 +531,12 @@ struct GpuWarp {
 
 // Per-warp shared memory: node scores [n] (8 bytes), its root id and seq_len, then, up to budget
 // 63, the nodes' visibility rows [n] (8 bytes: tree::wrp::WarpNodes::mask); node cands [n] (4),
-// first_child and next_sibling [n] (2 each), then its log-probs when they take
-// <= kWarpStageBytes; rounded up to 8 bytes. At most 16 x 1024 + 8 KB = 24 KB a warp.
-constexpr int kWarpStageBytes = 8 * 1024;
+// first_child and next_sibling [n] (2 each), then its log-probs as doubles when they take
+// <= kWarpStageBytes; rounded up to 8 bytes. At most 16 x 1024 + 16 KB = 32 KB a warp.
+constexpr int kWarpStageBytes = 16 * 1024;
 constexpr int kWarpMaskBudget = 63;  // visibility rows built with the tree up to here
 __host__ __device__ size_t warp_stage_bytes(int L, int K) {
-  const size_t b = (size_t)L * K * sizeof(float);
+  const size_t b = (size_t)L * K * sizeof(double);
   return b <= (size_t)kWarpStageBytes ? b : 0;
 }
 __host__ __device__ size_t warp_smem_per(int budget, int L, int K) {
@@ -544,11 +544,12 @@ __host__ __device__ size_t warp_smem_per(int budget, int L, int K) {
   return (16 * n + 16 + masks + warp_stage_bytes(L, K) + 7) / 8 * 8;
 }
 
-// Copies src[0, count) (global) to dst (shared) with one warp: 16-byte loads from src's first
-// 16-byte boundary on (a scalar head and tail around them), eight per lane in flight before
-// their stores, so that up to 4096 floats (a request stages at most 2048) arrive in one round
-// trip.
-__device__ void warp_stage(float* dst, const float* src, int count, int lane) {
+// Copies src[0, count) (global) to dst (shared; float, or double: converted) with one warp:
+// 16-byte loads from src's first 16-byte boundary on (a scalar head and tail around them), eight
+// per lane in flight before their stores, so that up to 4096 floats (a request stages at most
+// 2048) arrive in one round trip.
+template <class T>
+__device__ void warp_stage(T* dst, const float* src, int count, int lane) {
   const int head = min(count, (int)(((16 - (reinterpret_cast<uintptr_t>(src) & 15)) & 15) >> 2));
   if (lane < head) dst[lane] = __ldg(src + lane);
   const int nv = (count - head) >> 2;
@@ -564,7 +565,7 @@ __device__ void warp_stage(float* dst, const float* src, int count, int lane) {
     for (int k = 0; k < 8; ++k) {
       const int i = i0 + 32 * k + lane;
       if (i < nv) {
-        float* d = dst + head + 4 * i;
+        T* d = dst + head + 4 * i;
         d[0] = r[k].x;
         d[1] = r[k].y;
         d[2] = r[k].z;
@@ -609,8 +610,9 @@ __device__ void warp_write_outputs(const TreeBuildArgs& a, int b, int n, int W, 
   if (lane == 0) a.num_nodes[b] = used;
 }
 
-// kStaged: the log-probs are copied to shared memory (warp_stage_bytes > 0); a template argument
-// so that the pops read them with shared loads (see tree_build_parallel_kernel).
+// kStaged: the log-probs are copied to shared memory as doubles (warp_stage_bytes > 0); a
+// template argument so that the pops read them with shared loads (see
+// tree_build_parallel_kernel).
 template <int S, bool kStaged>
 __global__ void __launch_bounds__(128) tree_build_warp_kernel(TreeBuildArgs a) {
   extern __shared__ double smem[];
@@ -633,18 +635,18 @@ __global__ void __launch_bounds__(128) tree_build_warp_kernel(TreeBuildArgs a) {
   if (lane == 0) meta[0] = __ldg(a.root_ids + b);  // (not held in registers over the build)
   if (lane == 1) meta[1] = __ldg(a.seq_lens + b);
   warp_prefetch_l1(ids, lk * sizeof(int64_t), lane);
-  if (kStaged) {
-    float* staged = reinterpret_cast<float*>(ns + n);
-    warp_stage(staged, lp, (int)lk, lane);
-    lp = staged;
-  }
+  double* staged = kStaged ? reinterpret_cast<double*>(ns + n) : nullptr;
+  if (kStaged) warp_stage(staged, lp, (int)lk, lane);
   __syncwarp();
   tree::Scratch ks{};
   tree::set_key_layout(ks, a.L, a.K);
   GpuWarp<S> w;
   w.lane = lane;
-  const int used = tree::wrp::build<S>(w, lp, a.L, a.K, a.budget, ks.key_bits, ks.key_depth,
-                                       {node_score, node_cand, fc, ns, mask});
+  const tree::wrp::WarpNodes N{node_score, node_cand, fc, ns, mask};
+  const int used =
+      kStaged ? tree::wrp::build<S>(w, (const double*)staged, a.L, a.K, a.budget, ks.key_bits,
+                                    ks.key_depth, N)
+              : tree::wrp::build<S>(w, lp, a.L, a.K, a.budget, ks.key_bits, ks.key_depth, N);
   warp_write_outputs(a, b, n, W, used, node_cand, node_score, fc, ns, mask, ids, meta[0],
                      meta[1], lane);
 }

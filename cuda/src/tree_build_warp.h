@@ -209,7 +209,8 @@ KDT_HD uint32_t resolve_tie(Warp& w, uint32_t m, int key_depth, const uint32_t* 
 }
 
 // Builds one request on the warp w (Warp: each / max / min / ballot / shfl / sync, see CpuWarp
-// and the CUDA kernel's GpuWarp); lp is [L, K] (shared memory on CUDA). Returns the slots used
+// and the CUDA kernel's GpuWarp); lp is [L, K], float, or double (CUDA's shared-memory copy:
+// the same values, with no conversion on a pop's chain). Returns the slots used
 // (root included), as tree::build_one does. budget <= 32 S - 1.
 //
 // A pop is one dependent chain on one warp, so its cost is its length: every value a pop
@@ -217,8 +218,8 @@ KDT_HD uint32_t resolve_tie(Warp& w, uint32_t m, int key_depth, const uint32_t* 
 // lane), the node arrays are written by every lane (the same value to the same address), and
 // the winner's and the high-water lane's updates are selects. With one slot a lane (S = 1) the
 // lane's best is its entry: no rescan.
-template <int S, class Warp>
-KDT_HD int build(Warp& w, const float* lp, int L, int K, int budget, int key_bits, int key_depth,
+template <int S, class Warp, class T>
+KDT_HD int build(Warp& w, const T* lp, int L, int K, int budget, int key_bits, int key_depth,
                  const WarpNodes& N) {
   const uint32_t* nc = N.cand;
   w.each([&](Lane<S>& x, int lane) {
