@@ -149,6 +149,22 @@ def _inject(rng, tree, tgt):
     return f"{kind} at b={b} i={i}"
 
 
+def _inject_cycle(rng, tree, tgt):
+    """A sibling cycle the walk must meet: the root's first child c links to itself and does not
+    match the root's target, so the scan of the root's children runs until its bound (status 2).
+    Random defects meet a cycle only by chance (one seed in many saw none in 120 trials)."""
+    bs, n = tree.tokens.shape
+    b = int(rng.integers(0, bs))
+    if tree.num_nodes is not None and not 2 <= tree.num_nodes[b] <= n:
+        tree.num_nodes[b] = n
+    nn = n if tree.num_nodes is None else int(tree.num_nodes[b])
+    c = int(rng.integers(1, nn))
+    tree.first_child[b, 0] = c
+    tree.next_sibling[b, c] = c
+    tgt[b, 0] = tree.tokens[b, c] + 1
+    return f"sibling cycle at b={b} c={c}"
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("algo", ["walk", "parallel"])
 def test_accept_one_defect_at_a_time(device, algo, rng, monkeypatch):
@@ -159,6 +175,8 @@ def test_accept_one_defect_at_a_time(device, algo, rng, monkeypatch):
         tree, tgt = _trees(rng, n, int(rng.integers(1, 4)))
         for _ in range(int(rng.integers(1, 3))):
             what = _inject(rng, tree, tgt)
+        if trial % 40 == 0:  # n >= 256 here
+            what = _inject_cycle(rng, tree, tgt)
         seen.update(_check(tree, tgt, device, f"trial={trial} n={n} {what} {algo} {device}")
                     .status.tolist())
     assert seen >= {0, 1, 2, 3}, f"statuses seen {sorted(seen)}: the defects are too weak"
