@@ -48,9 +48,10 @@ namespace wrp {
 constexpr int kMaxSlots = 32;                  // slots per lane
 constexpr int kMaxBudget = 32 * kMaxSlots - 1;  // 1023: the largest budget this build takes
 // KDT_TREE_BUILD=auto: warp up to here (one slot a lane), parallel above. H200, kernel alone
-// (bench.tree_ab, 2026-12-01): budget 15, warp 5.5-6.6 us against parallel 12.5-14.5; budget
-// 31, warp 8.5 (bs 1) and 10.9 us (bs 64) against parallel 14.2 and 16.9; budget 63 (two slots
-// a lane, a rescan a pop), warp 27.7-29.3 us against parallel 15.0-19.3. A frontier kept sorted
+// (2026-12-01): budget 15, warp 5.2-6.5 us against parallel 11.4-15.3 (tree_build suite, run
+// 59b00d6); budget 31, warp 7.9 (bs 1) and 10.2 us (bs 64) against parallel 14.1 and 16.9
+// (bench.tree_ab); budget 63 (two slots a lane, a rescan a pop), warp 27.7-29.3 us against
+// parallel 15.0-19.3 (bench.tree_ab, before the log-probs were staged as doubles). A frontier kept sorted
 // across the warp instead (no argmax: a pop merges two entries) measured 1.03x at budget 15 and
 // 1.33x at 63 against the earlier, branching pop: 390 instructions a pop, moving and selecting
 // whole entries per slot.
