@@ -44,8 +44,12 @@ def test_tiny_budget_beats_the_random_drafter_and_records_the_run(trained):
     w, seed, result = trained
     before, after = result["held_out_top1_by_depth_before"], result["held_out_top1_by_depth"]
     print(f"seed = {seed}; held-out top-1 before {before[:3]}, after {after[:3]}")
-    # Same held-out rounds (same rng) before and after training.
-    assert after[0] > before[0] + 0.05, (seed, before, after)
+    # Same held-out rounds (same rng) before and after training: 512 of them (depth_accuracy's
+    # 8 batches of 64). The seeded random drafter hits about 1% at depth 1, so with no learning
+    # the two would differ by about 0.006 (sqrt(2 x 5) / 512): a gain of 0.03 is over 4 of
+    # those. Over 27 seeds, 60 steps gained 0.047 at the least (0.070 next) and 0.15 typically;
+    # the margin was 0.05 before, which seed 624816846 missed (0.0098 -> 0.0566).
+    assert after[0] > before[0] + 0.03, (seed, before, after)
     cfg, _ = BD.load(w)
     assert cfg.trained_steps == STEPS
     assert cfg.target_sha256 == BD.target_sha256(w)
