@@ -534,13 +534,13 @@ struct GpuWarp {
 // first_child and next_sibling [n] (2 each), then its log-probs as doubles when they take
 // <= kWarpStageBytes; rounded up to 8 bytes. At most 16 x 1024 + 16 KB = 32 KB a warp.
 constexpr int kWarpStageBytes = 16 * 1024;
-constexpr int kWarpMaskBudget = 63;  // visibility rows built with the tree up to here
 __host__ __device__ size_t warp_stage_bytes(int L, int K) {
   const size_t b = (size_t)L * K * sizeof(double);
   return b <= (size_t)kWarpStageBytes ? b : 0;
 }
 __host__ __device__ size_t warp_smem_per(int budget, int L, int K) {
-  const size_t n = (size_t)budget + 1, masks = budget <= kWarpMaskBudget ? 8 * n : 0;
+  const size_t n = (size_t)budget + 1;
+  const size_t masks = budget <= tree::wrp::kMaskMaxBudget ? 8 * n : 0;
   return (16 * n + 16 + masks + warp_stage_bytes(L, K) + 7) / 8 * 8;
 }
 
@@ -625,7 +625,7 @@ __global__ void __launch_bounds__(128) tree_build_warp_kernel(TreeBuildArgs a) {
   double* node_score = reinterpret_cast<double*>(base);
   int64_t* meta = reinterpret_cast<int64_t*>(node_score + n);  // root id, seq_len
   uint64_t* rows = reinterpret_cast<uint64_t*>(meta + 2);
-  uint64_t* mask = a.budget <= kWarpMaskBudget ? rows : nullptr;  // [n] when used
+  uint64_t* mask = a.budget <= tree::wrp::kMaskMaxBudget ? rows : nullptr;  // [n] when used
   uint32_t* node_cand = reinterpret_cast<uint32_t*>(mask ? rows + n : rows);
   int16_t* fc = reinterpret_cast<int16_t*>(node_cand + n);
   int16_t* ns = fc + n;

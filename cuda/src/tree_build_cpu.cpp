@@ -182,8 +182,8 @@ kdt_status tree_build_cpu(const TreeBuildArgs& a) {
   // "warp" takes budgets up to tree::wrp::kMaxBudget; larger ones run the parallel build, as on
   // CUDA.
   const bool warp = algo == Algo::kWarp && a.budget <= tree::wrp::kMaxBudget;
-  // Up to budget 63 the warp build also makes the visibility rows (tree::wrp::WarpNodes::mask).
-  std::vector<uint64_t> masks(warp && n <= 64 ? n : 0);
+  // The warp build also makes the visibility rows up to tree::wrp::kMaskMaxBudget.
+  std::vector<uint64_t> masks(warp && a.budget <= tree::wrp::kMaskMaxBudget ? n : 0);
   std::vector<ParallelScratch> ps;
   tree::par::Plan plan{};
   if (algo != Algo::kSerial && !warp) {

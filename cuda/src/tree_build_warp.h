@@ -51,11 +51,13 @@ constexpr int kMaxBudget = 32 * kMaxSlots - 1;  // 1023: the largest budget this
 // (2026-12-01): budget 15, warp 5.2-6.5 us against parallel 11.4-15.3 (tree_build suite, run
 // 59b00d6); budget 31, warp 7.9 (bs 1) and 10.2 us (bs 64) against parallel 14.1 and 16.9
 // (bench.tree_ab); budget 63 (two slots a lane, a rescan a pop), warp 27.7-29.3 us against
-// parallel 15.0-19.3 (bench.tree_ab, before the log-probs were staged as doubles). A frontier kept sorted
-// across the warp instead (no argmax: a pop merges two entries) measured 1.03x at budget 15 and
-// 1.33x at 63 against the earlier, branching pop: 390 instructions a pop, moving and selecting
-// whole entries per slot.
+// parallel 15.0-19.3 (bench.tree_ab, before the log-probs were staged as doubles). A frontier
+// kept sorted across the warp instead (no argmax: a pop merges two entries) measured 1.03x at
+// budget 15 and 1.33x at 63 against the earlier, branching pop: 390 instructions a pop, moving
+// and selecting whole entries per slot.
 constexpr int kAutoMaxBudget = 31;
+// Up to here the build also makes the nodes' visibility rows (WarpNodes::mask: 64 bits a row).
+constexpr int kMaskMaxBudget = 63;
 
 // Slots per lane for a budget: the smallest power of two S with 32 S >= budget + 1.
 KDT_HD int slots_for(int budget) {
@@ -167,7 +169,7 @@ struct WarpNodes {
   uint32_t* cand;
   int16_t* first_child;
   int16_t* next_sibling;
-  uint64_t* mask;  // budget <= 63, else null: node i's visibility row (ancestors and i)
+  uint64_t* mask;  // budget <= kMaskMaxBudget, else null: node i's visibility row
 };
 
 // The winner among the lanes of m (more than one): the highest score (high halves of the
