@@ -28,11 +28,14 @@
 //      written flattened: thread i writes elements i, i + T, ..., each finding its run by a
 //      4-ary search over the offsets, so a level costs the same whatever its run lengths.
 //   2. t rises with a 256-bin score histogram whenever the pool keeps more than 1.5 B nodes: if
-//      the bins at or above bin j hold >= B nodes, the B-th best is >= bin j's lower edge. A
-//      level whose runs would overflow the pool raises t over the pool and the runs first, then
-//      compacts the pool (stable; dropped nodes are below t, and so are their subtrees): into
-//      the pool's second copy, or, where shared memory holds one copy only (Arrays::twin; sm_120
-//      at large budgets), in place through a small buffer, a round at a time.
+//      the bins at or above bin j hold >= B nodes, the B-th best is >= bin j's lower edge; when
+//      many entries fall below the new t and a next level as large as this one would not fit,
+//      the pool is compacted then (stable; dropped nodes are below t, and so are their
+//      subtrees). A level whose runs would overflow the pool raises t over the pool and the
+//      runs first, then recounts, or compacts first when the pool's entries and the runs at or
+//      above t would not fit beside the stale ones. Compaction goes into the pool's second
+//      copy, or, where shared memory holds one copy only (Arrays::twin; sm_120 at large
+//      budgets), in place through a small buffer, a round at a time.
 //   3. The kept nodes are ordered by (score desc, rank path asc): a bucket sort on the score
 //      (order_bins: 1024 buckets, or one per entry of a pool above 2048), ranks counted inside
 //      a bucket; the first B are nodes 1..B. Parents and child lists (prepend rule) follow from
@@ -76,6 +79,10 @@ KDT_HD int pool_capacity(int budget) {
 // bucket's size. H200, bench.tree_ab against 1024 buckets: budget 1023 (3072 entries) 0.95x
 // at bs 1 and 0.95-0.97x at bs 64; budget 511 (2048 entries) 1.00-1.01x, so it keeps 1024.
 KDT_HD int order_bins(int cap) { return cap > 2048 ? cap : kOrderBins; }
+
+// A level whose refinement leaves more than cap / kCompactShare entries below the new bound
+// compacts the pool at once when a next level as large as it would overflow (see build).
+constexpr int kCompactShare = 4;
 
 // Entries of a compaction round when the pool has one copy (Arrays::twin false).
 constexpr int kCompactBuf = 256;
@@ -547,6 +554,67 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
   blk.mark(3);
   // ---- 1, 2. level by level: the parents are the entries [lb, le) -------------------------
   int c = 0, lb = 0, le = 1, kept = 0;
+  // Stable compaction of the pool to the root and the entries >= t (parents remapped); the
+  // entries [lb, le) stay the current level's.
+  auto compact_pool = [&]() {
+    const Pool P = A.pool(c);
+    const bool all = !bd.has;
+    const double tt = bd.t;
+    blk.run([&](int t) {
+      for (int e = t; e < le; e += T) A.cnt[e] = (e == 0 || all || P.score[e] >= tt);
+    });
+    const int kept_c = blk.scan(A.cnt, le);
+    if (A.twin) {
+      const Pool Q = A.pool(c ^ 1);
+      blk.run([&](int t) {
+        for (int e = t; e < le; e += T) {
+          if (!(e == 0 || all || P.score[e] >= tt)) continue;
+          const int ne = A.cnt[e];
+          const uint32_t cd = P.cand[e];
+          Q.score[ne] = P.score[e];
+          Q.key[ne] = P.key[e];
+          Q.cand[ne] = e == 0 ? 0u
+                              : pack((uint32_t)A.cnt[cand_parent(cd)], cand_rank(cd),
+                                     cand_depth(cd));
+        }
+      });
+      c ^= 1;
+    } else {
+      // In place, nbuf entries a round: each round's kept entries go to the buffer, then
+      // from it to their new indices. A new index is <= the old one and the new indices
+      // rise with the old ones, so a round overwrites only entries of its own round (in the
+      // buffer by then) or of earlier rounds (moved already).
+      const Pool B = A.buffer();
+      for (int r0 = 0; r0 < le; r0 += A.nbuf) {
+        const int r1 = le < r0 + A.nbuf ? le : r0 + A.nbuf;
+        blk.run([&](int t) {
+          for (int e = r0 + t; e < r1; e += T) {
+            const int i = e - r0;
+            if (!(e == 0 || all || P.score[e] >= tt)) { A.buf_to[i] = -1; continue; }
+            const uint32_t cd = P.cand[e];
+            A.buf_to[i] = A.cnt[e];
+            B.score[i] = P.score[e];
+            B.key[i] = P.key[e];
+            B.cand[i] = e == 0 ? 0u
+                               : pack((uint32_t)A.cnt[cand_parent(cd)], cand_rank(cd),
+                                      cand_depth(cd));
+          }
+        });
+        blk.run([&](int t) {
+          for (int i = t; i < r1 - r0; i += T) {
+            const int ne = A.buf_to[i];
+            if (ne < 0) continue;
+            P.score[ne] = B.score[i];
+            P.key[ne] = B.key[i];
+            P.cand[ne] = B.cand[i];
+          }
+        });
+      }
+    }
+    lb = A.cnt[lb];
+    le = kept_c;
+    blk.run([](int) {});  // every thread has read cnt
+  };
   for (int d = 1; d <= L; ++d) {
     const float* row = lp + (size_t)(d - 1) * K;
     int end = le;
@@ -603,65 +671,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
         // (H200, bench inputs at budget 1023: a recount of a deep level costs ~9k cycles.)
         compact = got > 0 && le + got > cap;
       }
-      if (compact) {
-        // Stable compaction to the root and the entries >= t (parents remapped).
-        const bool all = !bd.has;
-        const double tt = bd.t;
-        blk.run([&](int t) {
-          for (int e = t; e < le; e += T) A.cnt[e] = (e == 0 || all || P.score[e] >= tt);
-        });
-        const int kept_c = blk.scan(A.cnt, le);
-        if (A.twin) {
-          const Pool Q = A.pool(c ^ 1);
-          blk.run([&](int t) {
-            for (int e = t; e < le; e += T) {
-              if (!(e == 0 || all || P.score[e] >= tt)) continue;
-              const int ne = A.cnt[e];
-              const uint32_t cd = P.cand[e];
-              Q.score[ne] = P.score[e];
-              Q.key[ne] = P.key[e];
-              Q.cand[ne] = e == 0 ? 0u
-                                  : pack((uint32_t)A.cnt[cand_parent(cd)], cand_rank(cd),
-                                         cand_depth(cd));
-            }
-          });
-          c ^= 1;
-        } else {
-          // In place, nbuf entries a round: each round's kept entries go to the buffer, then
-          // from it to their new indices. A new index is <= the old one and the new indices
-          // rise with the old ones, so a round overwrites only entries of its own round (in the
-          // buffer by then) or of earlier rounds (moved already).
-          const Pool B = A.buffer();
-          for (int r0 = 0; r0 < le; r0 += A.nbuf) {
-            const int r1 = le < r0 + A.nbuf ? le : r0 + A.nbuf;
-            blk.run([&](int t) {
-              for (int e = r0 + t; e < r1; e += T) {
-                const int i = e - r0;
-                if (!(e == 0 || all || P.score[e] >= tt)) { A.buf_to[i] = -1; continue; }
-                const uint32_t cd = P.cand[e];
-                A.buf_to[i] = A.cnt[e];
-                B.score[i] = P.score[e];
-                B.key[i] = P.key[e];
-                B.cand[i] = e == 0 ? 0u
-                                   : pack((uint32_t)A.cnt[cand_parent(cd)], cand_rank(cd),
-                                          cand_depth(cd));
-              }
-            });
-            blk.run([&](int t) {
-              for (int i = t; i < r1 - r0; i += T) {
-                const int ne = A.buf_to[i];
-                if (ne < 0) continue;
-                P.score[ne] = B.score[i];
-                P.key[ne] = B.key[i];
-                P.cand[ne] = B.cand[i];
-              }
-            });
-          }
-        }
-        lb = A.cnt[lb];
-        le = kept_c;
-        blk.run([](int) {});  // every thread has read cnt
-      }
+      if (compact) compact_pool();
     }
     if (end == le) break;  // no children: no deeper level either
     // Write the runs, flattened: element k of the level is rank k - offset of run q, the last
@@ -701,6 +711,13 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
         for (int e = 1 + t; e < le; e += T) f(P.score[e]);
       });
       if (got) kept = got;
+      // Drop the entries the new bound leaves behind when they are many and the pool could
+      // not take a next level as large as this one: else that level counts runs for dead
+      // parents and overflows (bench inputs at budget 1023: by level 4 two thirds of a pool of
+      // ~3000 entries are below t), paying a count, a refinement and a recount. H200,
+      // bench.tree_ab: bs 64 budget 1023 0.95x, 767 0.91x, 127-511 and bs 1 0.99-1.01x (without
+      // the second condition, budget 255 took 1.04x).
+      if (got && le - got > cap / kCompactShare && 2 * le - lb > cap) compact_pool();
     }
     blk.mark(300 + d);
   }
