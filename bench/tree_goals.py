@@ -10,14 +10,23 @@ default, judged) and walk.
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import numpy as np
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python3 -m bench.tree_goals",
+                                 description=__doc__.split("\n\n")[0])
+    ap.parse_args(argv)
     import torch
 
+    if not torch.cuda.is_available():
+        print("bench.tree_goals: the goals are CUDA timings, and torch reports no CUDA device "
+              "here: run it on the GPU host (KDTREE_LIB=<a CUDA build> python3 -m "
+              "bench.tree_goals)", file=sys.stderr)
+        return 2
     from bench.inputs import accept_target, tree_inputs
     from bench.native_calls import prepare_tree_accept, prepare_tree_build
     from bench.timing import summarize, time_cpu, time_cuda, time_cuda_graph
@@ -27,6 +36,10 @@ def main() -> int:
     from engine.reference import ddtree
 
     lib = library()
+    if not lib.has_cuda:
+        print(f"bench.tree_goals: {lib.path} is a CPU-only build: set KDTREE_LIB to a CUDA "
+              "build", file=sys.stderr)
+        return 2
     rng = np.random.default_rng(15)
     us = {}
     bad = []
