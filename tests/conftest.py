@@ -5,9 +5,19 @@
 with its own host key, client key and known_hosts; skipped, with the reason, where no sshd is
 installed. Tests that need another "host" write another YAML for the same sshd with its own
 remote_dir (`loopback_sshd.write_host_yaml(path, remote_dir=...)`).
+`quick_weights`: a weights cache (a KDTREE_CACHE folder) holding what the --quick e2e and service
+suites use on the CPU: the tiny model, its quick-trained block drafter and the code-small toy,
+made once for the session through bench/weights.py's real paths. Tests that only need those
+weights present call `quick_weights(their_cache)`, which copies them in, so the session
+trains them once instead of once per test; tests of training and caching themselves start
+from an empty cache.
 """
 
 from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -35,3 +45,31 @@ def rng():
     seed = int(np.random.SeedSequence().entropy % 2**63)
     print(f"seed = {seed}")
     return np.random.default_rng(seed)
+
+
+
+@pytest.fixture(scope="session")
+def quick_weights(tmp_path_factory):
+    """put(cache): copies the --quick suites' CPU weights (see the module docstring) into the
+    KDTREE_CACHE folder `cache`; they are made on first use, once for the session. Copies, not
+    links: a test may damage its own."""
+    from native_helpers import native
+
+    from bench import models as bm
+
+    native()  # the drafter's training data comes from the native engine (built if stale)
+    made = tmp_path_factory.mktemp("quick-weights")
+    before = os.environ.get("KDTREE_CACHE")
+    os.environ["KDTREE_CACHE"] = str(made)
+    try:
+        bm.tiny(True, "cpu")  # the seeded tiny model and its quick-trained drafter
+        bm.code_small("cpu", True)  # the code-small toy and its drafter
+    finally:
+        if before is None:
+            del os.environ["KDTREE_CACHE"]
+        else:
+            os.environ["KDTREE_CACHE"] = before
+
+    def put(cache: Path) -> None:
+        shutil.copytree(made / "weights", Path(cache) / "weights", dirs_exist_ok=True)
+    return put

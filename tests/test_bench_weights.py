@@ -42,7 +42,8 @@ def _ctx(out, lib, args):
 
 @pytest.mark.native
 @pytest.mark.slow
-def test_e2e_and_service_runs_leave_no_weights_in_the_run_folder(tmp_path, monkeypatch):
+def test_e2e_and_service_runs_leave_no_weights_in_the_run_folder(tmp_path, monkeypatch,
+                                                                 quick_weights):
     sys.path.insert(0, str(bench.REPO_ROOT / "tests"))
     try:
         from native_helpers import native
@@ -56,6 +57,9 @@ def test_e2e_and_service_runs_leave_no_weights_in_the_run_folder(tmp_path, monke
     if lib is None:
         pytest.skip(f"libkdtree.so is not available: {why}")
     monkeypatch.setenv("KDTREE_CACHE", str(tmp_path / "cache"))
+    # the weights made once for the session (conftest.py): what is asserted here is where the
+    # suites look for them and what they record, not how they are trained
+    quick_weights(tmp_path / "cache")
     out = tmp_path / "run"
     out.mkdir()
     # --quick suites with smaller grids (what is asserted is where files go, not the figures)

@@ -1,7 +1,10 @@
 """End-to-end on the local transport: `invoke bench --suite kernels,tree_build,e2e,service
 --quick` then `invoke fetch-results --no-commit`, in a throwaway clone with a throwaway
 remote_dir. The fetched run folder holds results only: no weights (they are inputs, cached in
-<remote_dir>/cache by bench/weights.py) and no large file."""
+<remote_dir>/cache by bench/weights.py) and no large file. The host's cache starts with the
+session's quick weights (conftest.py `quick_weights`), as a host that ran a suite before has
+them; training them on a host with an empty cache is tested in tests/test_bench_e2e_drafter.py
+and tests/test_training_target.py, and by every first run on a new host."""
 
 from __future__ import annotations
 
@@ -21,9 +24,10 @@ RUN_FOLDER_MAX_BYTES = 2 * 1024 * 1024
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the cpu build needs g++")
-def test_bench_all_cpu_suites_then_fetch_keeps_the_run_folder_small(tmp_path):
+def test_bench_all_cpu_suites_then_fetch_keeps_the_run_folder_small(tmp_path, quick_weights):
     clone = make_clone(tmp_path / "repo")
     remote = tmp_path / "remote"
+    quick_weights(remote / "cache")
     host = tmp_path / "hosts" / "lhost.yaml"
     host.parent.mkdir()
     host.write_text(yaml.safe_dump({"transport": "local", "remote_dir": str(remote), "cuda_arch": "cpu",
