@@ -15,7 +15,6 @@ from an empty cache.
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
@@ -47,7 +46,6 @@ def rng():
     return np.random.default_rng(seed)
 
 
-
 @pytest.fixture(scope="session")
 def quick_weights(tmp_path_factory):
     """put(cache): copies the --quick suites' CPU weights (see the module docstring) into the
@@ -59,16 +57,10 @@ def quick_weights(tmp_path_factory):
 
     native()  # the drafter's training data comes from the native engine (built if stale)
     made = tmp_path_factory.mktemp("quick-weights")
-    before = os.environ.get("KDTREE_CACHE")
-    os.environ["KDTREE_CACHE"] = str(made)
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KDTREE_CACHE", str(made))
         bm.tiny(True, "cpu")  # the seeded tiny model and its quick-trained drafter
         bm.code_small("cpu", True)  # the code-small toy and its drafter
-    finally:
-        if before is None:
-            del os.environ["KDTREE_CACHE"]
-        else:
-            os.environ["KDTREE_CACHE"] = before
 
     def put(cache: Path) -> None:
         shutil.copytree(made / "weights", Path(cache) / "weights", dirs_exist_ok=True)
