@@ -28,9 +28,10 @@ from typing import Callable, Sequence
 import numpy as np
 
 __all__ = ["summarize", "time_cpu", "time_cuda", "time_cuda_graph", "l2_flush_bytes",
-           "DEVICE_WARMUP_S", "device_warmup_s"]
+           "DEVICE_WARMUP_S", "device_warmup_s", "settle", "SETTLE_S"]
 
 DEVICE_WARMUP_S = 1.0  # seconds of untimed device work before the process's first CUDA sample
+SETTLE_S = 1.0  # seconds of light device work after a heavy measurement (settle)
 _warmup_spent: float | None = None  # seconds the process's warm-up took (None: not yet)
 
 
@@ -58,6 +59,26 @@ def _warm_once(step: Callable[[], object], sync: Callable[[], object],
             _warmup_spent = spent
             return spent
         n = min(2 * n, 1 << 14)
+
+
+def settle(seconds: float = SETTLE_S, cycles: int = 2_000_000) -> float:
+    """Keeps the CUDA device busy with light work (one spin kernel at a time, torch.cuda._sleep
+    of `cycles` clock cycles, about a millisecond) for `seconds`; returns the seconds spent.
+    After a heavy measurement (the ceilings' matmul draws full power) the clocks stay down for a
+    while; a small kernel timed in that shadow reads slow. Without torch.cuda._sleep (a private
+    torch function), it waits idle for `seconds` instead, which measured the same on the H200."""
+    import torch
+
+    t0 = time.perf_counter()
+    spin = getattr(torch.cuda, "_sleep", None)
+    while time.perf_counter() - t0 < seconds:
+        if spin is None:
+            time.sleep(seconds)
+            break
+        for _ in range(20):
+            spin(cycles)
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
 
 
 def summarize(samples: Sequence[float]) -> dict:

@@ -113,3 +113,26 @@ def test_time_cuda_graph_adapts_counts_to_the_budget():
         s = timing.time_cuda_graph(lambda: x.mul_(1.0), calls=20, reps=5, budget_s=1e-3,
                                    call_s=1e-3, min_reps=3, stats=slow)
         assert slow == {"calls": 1, "reps": 3} and len(s) == 3 and min(s) > 0
+
+
+def test_settle_spins_the_device_in_batches_until_the_time_is_spent(monkeypatch):
+    torch = pytest.importorskip("torch")
+    t = iter([0.0, 0.0, 0.4, 0.8, 1.2, 1.3])
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(t))
+    spins, syncs = [], []
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: spins.append(cycles), raising=False)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: syncs.append(1))
+    spent = timing.settle(seconds=1.0, cycles=123)
+    # a batch of 20 spins and a sync per loop while the clock reads < 1 s: three batches
+    assert (len(spins), len(syncs), spent) == (60, 3, 1.3)
+    assert set(spins) == {123}
+
+
+def test_settle_without_a_spin_kernel_waits_idle(monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.delattr(torch.cuda, "_sleep", raising=False)
+    slept = []
+    monkeypatch.setattr(timing.time, "sleep", lambda s: slept.append(s))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: pytest.fail("no device work to wait on"))
+    timing.settle(seconds=0.25)
+    assert slept == [0.25]
