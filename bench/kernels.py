@@ -519,8 +519,8 @@ def run(ctx) -> dict:
         # The ceilings (a device copy and a large matmul at full power) only scale the attention
         # figures, so they are measured after the tree cases, and the device settles after them
         # (bench.timing.settle): on the H200, a bs 1 tree build timed right after the matmul
-        # took 22.7-24.3 us as one call against 15.4 after a settled second (bench runs of
-        # 2026-12-01, the kernels suite's first cases in a fresh process).
+        # took 22.7-24.3 us as one call against 15.4 after a settled second (2026-12-01: the
+        # suite's first tree cases replayed in fresh processes).
         ceil = ctx.ceilings(device)
         if device == "cuda":
             settle()
