@@ -72,10 +72,10 @@ def settle(seconds: float = SETTLE_S, cycles: int = 2_000_000) -> float:
 
     t0 = time.perf_counter()
     spin = getattr(torch.cuda, "_sleep", None)
+    if spin is None:
+        time.sleep(seconds)
+        return time.perf_counter() - t0
     while time.perf_counter() - t0 < seconds:
-        if spin is None:
-            time.sleep(seconds)
-            break
         for _ in range(20):
             spin(cycles)
         torch.cuda.synchronize()
