@@ -37,7 +37,7 @@
 //      copy, or, where shared memory holds one copy only (Arrays::twin; sm_120 at large
 //      budgets), in place through a small buffer, a round at a time.
 //   3. The kept nodes are ordered by (score desc, rank path asc): a bucket sort on the score
-//      (order_bins: 1024 buckets, or one per entry of a pool above 2048), ranks counted inside
+//      (order_bins: 1024 buckets, or 4096 for a pool above 2048), ranks counted inside
 //      a bucket; the first B are nodes 1..B. Parents and child lists (prepend rule) follow from
 //      the order: a run is contiguous, so a node's left sibling is the entry before it.
 // Masses of exact ties that overflow the pool even so are declined as well.
@@ -51,6 +51,8 @@
 // thread on the GPU, and writes no shared state.
 #pragma once
 
+#include <float.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -61,7 +63,8 @@ namespace kdt {
 namespace tree {
 namespace par {
 
-constexpr int kBins = 256;       // histogram bins of the threshold refinement
+constexpr int kBinsLog2 = 8;
+constexpr int kBins = 1 << kBinsLog2;  // histogram bins of the threshold refinement
 constexpr int kOrderBins = 1024; // score buckets of the final order, at least (order_bins)
 constexpr int kMaxPool = 3072;  // pool capacity bound
 
@@ -73,12 +76,15 @@ KDT_HD int pool_capacity(int budget) {
   return c < kMaxPool ? c : kMaxPool;
 }
 
-// Score buckets of the final order for a pool capacity (hist holds this many): one per pool
-// entry above 2048 entries, else kOrderBins. The pool's scores crowd toward the threshold (a
+// Score buckets of the final order for a pool capacity (hist holds this many; a power of two,
+// Bins): 4096 for a pool above 2048 entries, else kOrderBins. Buckets are 2^k wide, so that
+// between half and all of them span the scores. The pool's scores crowd toward the threshold (a
 // tree has more nodes at lower scores), and ranking an entry inside its bucket costs the
-// bucket's size. H200, bench.tree_ab against 1024 buckets: budget 1023 (3072 entries) 0.95x
-// at bs 1 and 0.95-0.97x at bs 64; budget 511 (2048 entries) 1.00-1.01x, so it keeps 1024.
-KDT_HD int order_bins(int cap) { return cap > 2048 ? cap : kOrderBins; }
+// bucket's size. H200, bench.tree_ab, when buckets were linear: one per entry against 1024 took
+// budget 1023 (3072 entries) 0.95x at bs 1 and 0.95-0.97x at bs 64, and budget 511 (2048
+// entries) 1.00-1.01x, so it keeps 1024. The power-of-two buckets came with the exact bins
+// (Bins), and were measured with them (see Bins).
+KDT_HD int order_bins(int cap) { return cap > 2048 ? 4 * kOrderBins : kOrderBins; }
 
 // A level whose refinement leaves more than cap / kCompactShare entries below the new bound
 // compacts the pool at once when a next level as large as it would overflow (see build).
@@ -313,34 +319,42 @@ KDT_HD bool before(const Pool& P, int key_depth, int a, int b) {
   return compare_paths(ca, cb, P.cand) < 0;
 }
 
-// Histogram bins over [lo, lo + nb w): edges lo + w b in float64, never contracted into an
-// fma, so that the edge a threshold takes is the edge the binning used.
+// Histogram bins of width w = 2^k hung from hi, numbered upward: bin b holds the scores s with
+// edge(b) < s <= edge(b + 1), edge(b) = hi - (nb - b) w. Every score and every edge is a multiple
+// of 2^g (g: the log-probs' lowest set bit; k >= g) and lies in [-(L + 1) max|lp|, 0], where the
+// exactness check makes float64 exact: hi - s, its scaling by 2^-k and hi - (nb - b) w are exact,
+// so a score's bin is one subtraction, one multiplication and a truncation, and the edge a
+// threshold takes is exactly the one the binning used. (Linear bins over [lo, hi] took a float64
+// division per pass and, per score, a multiply-add and correction loops.) H200, bench.tree_ab
+// against linear bins, kernel alone: bs 64 budget 63 0.95x, 127 0.94x, 255 0.92x, 1023 0.99x;
+// bs 1 budget 63 0.96x, 255 0.92x, 1023 0.97-0.98x (two runs).
 struct Bins {
-  double lo, w, iw;
+  double hi, w, iw;  // iw = 2^-k
   int nb;
-  KDT_HD double edge(int b) const {
-#if defined(__CUDA_ARCH__)
-    return __dadd_rn(lo, __dmul_rn(w, (double)b));
-#else
-    volatile double m = w * (double)b;
-    return lo + m;
-#endif
-  }
-  // The bin of s >= lo: the largest b < nb with edge(b) <= s.
+  KDT_HD double edge(int b) const { return hi - (double)(nb - b) * w; }
+  // The bin of s, lo <= s <= hi (make_bins' lo).
   KDT_HD int of(double s) const {
-    const double f = (s - lo) * iw;
-    int b = f >= (double)(nb - 1) ? nb - 1 : (f > 0.0 ? (int)f : 0);
-    while (b > 0 && s < edge(b)) --b;
-    while (b + 1 < nb && s >= edge(b + 1)) ++b;
-    return b;
+    const int j = (int)((hi - s) * iw);  // hi - s >= 0: truncation is the floor
+    return j < nb ? nb - 1 - j : 0;
   }
 };
-KDT_HD bool make_bins(double lo, double hi, int nb, Bins& B) {
-  B.lo = lo;
-  B.nb = nb;
-  B.w = (hi - lo) / nb;
-  B.iw = 1.0 / B.w;
-  return hi > lo && B.w > 0.0 && B.iw < 1e300;
+// Bins for the scores in [lo, hi]: nb = 2^m of them (m >= 0) at the smallest width 2^k >= 2^g
+// with nb 2^k > hi - lo (so that lo falls in bin 0; fewer bins hold scores when 2^g decides).
+// False when hi <= lo.
+KDT_HD bool make_bins(double lo, double hi, int m, int g, Bins& B) {
+  const double x = hi - lo;
+  if (!(x > 0.0)) return false;
+  union { double d; uint64_t u; } v;
+  v.d = x;
+  const int e = (int)((v.u >> 52) & 0x7FFu) - 1022;  // 2^(e - 1) <= x < 2^e (x is normal)
+  const int k = e - m > g ? e - m : g;
+  v.u = (uint64_t)(1023 + k) << 52;
+  B.w = v.d;
+  v.u = (uint64_t)(1023 - k) << 52;
+  B.iw = v.d;
+  B.hi = hi;
+  B.nb = 1 << m;
+  return true;
 }
 
 // Lowest-set-bit and top-bit exponents of a finite nonzero float: |x| = m 2^lsb with m odd,
@@ -383,9 +397,27 @@ KDT_HD int last_pass(int lo, int hi, Pass pass) {
   return lo;
 }
 
+// The smallest float >= d (-FLT_MAX for every d below it).
+KDT_HD float float_at_least(double d) {
+#if defined(__CUDA_ARCH__)
+  const float f = __double2float_ru(d);
+  return f < -FLT_MAX ? -FLT_MAX : f;
+#else
+  float f = (float)d;
+  if ((double)f < d) f = nextafterf(f, FLT_MAX);
+  return f < -FLT_MAX ? -FLT_MAX : f;
+#endif
+}
+
 // Ranks r < kc of row `row` with s + row[r] >= t, given s + row[0] >= t (rows non-increasing).
+// Under the exactness check s + row[r] is exact, and so is t - s (t <= t - s <= row[0] <= 0), so
+// the test is row[r] >= t - s, i.e. row[r] >= the smallest float at or above it: the search
+// compares floats, with no conversion and no float64 add on its chain. H200, kernel alone,
+// each against the same base in one bench.tree_ab run: 0.99x the float64 test at bs 1, 4 and
+// 64, budgets 63 to 1023.
 KDT_HD int count_at_least(const float* row, int kc, double s, double t) {
-  return last_pass(0, kc, [&](int r) { return s + (double)row[r] >= t; }) + 1;
+  const float u = float_at_least(t - s);
+  return last_pass(0, kc, [&](int r) { return row[r] >= u; }) + 1;
 }
 
 // The run of flattened element k: the last q < m with off[q] <= k (off: exclusive offsets of
@@ -410,49 +442,82 @@ struct Bound {
   bool has;
 };
 
-// Bins the scores >= lo that visit(t, f) passes to f (hist must be zero), then raises the bound
-// to the lower edge of the highest bin j whose suffix (bins >= j) holds >= need of them: a valid
-// lower bound on the need-th best. When that suffix still holds more than `limit` scores (the
-// bins are linear over [lo, hi], and scores may crowd into one bin), up to two more passes bin
-// bin j alone, with need less the scores above it (a radix select). Returns the suffix count of
-// the final edge (0: no change). hist is left dirty.
+// Bins the scores in [lo, hi] that visit(t, f) passes to f (hist must be zero), then raises the
+// bound to the lower edge of the highest bin j whose suffix (bins >= j) holds >= need of them: a
+// valid lower bound on the need-th best. When that suffix still holds more than `limit` scores
+// (the bins are linear, and scores may crowd into one bin), up to two more passes bin bin j
+// alone, (edge(j), edge(j + 1)], with need less the scores above it (a radix select). Returns
+// the suffix count of the final edge (0: no change). hist is left dirty. g: the log-probs'
+// lowest set bit (make_bins).
 template <class Block, class Visit>
 KDT_HD int refine(Block& blk, const Arrays& A, Bound& bd, double lo, double hi, int need,
-                  int limit, Visit visit) {
+                  int limit, int g, Visit visit) {
   int above = 0, got = 0;
-  bool top_bin = true;  // the range includes hi (pass 0, and the last bin after it)
+  bool lo_in = true;  // lo itself is in range (pass 0)
   double nt = 0.0;
   for (int pass = 0; pass < 3; ++pass) {
     Bins bins;
-    if (!make_bins(lo, hi, kBins, bins)) break;
+    if (!make_bins(lo, hi, kBinsLog2, g, bins)) break;
     if (pass > 0) {
       blk.run([&](int t) {
         for (int i = t; i < kBins; i += blk.threads()) A.hist[i] = 0;
       });
     }
-    const bool incl = top_bin;
+    const bool in = lo_in;
     blk.run([&](int t) {
       visit(t, [&](double s) {
-        if (s >= lo && (s < hi || (incl && s == hi))) hist_add(A.hist, bins.of(s));
+        if (s <= hi && (s > lo || (in && s == lo))) hist_add(A.hist, bins.of(s));
       });
     });
     blk.mark(5);
-    int g = 0;
-    const int j = blk.suffix_pick(A.hist, kBins, need, &g);
+    int c = 0;
+    const int j = blk.suffix_pick(A.hist, kBins, need, &c);
     if (j < 0) break;
     nt = bins.edge(j);
-    got = above + g;
+    got = above + c;
     if (got <= limit) break;
     const int in_j = A.hist[j];
     blk.run([](int) {});  // every thread has read hist[j] before the next pass clears it
-    above += g - in_j;
-    need -= g - in_j;
-    top_bin = top_bin && j == kBins - 1;
+    above += c - in_j;
+    need -= c - in_j;
+    lo_in = false;
     lo = nt;
-    hi = j == kBins - 1 ? hi : bins.edge(j + 1);
+    hi = bins.edge(j + 1);
   }
   if (got && (!bd.has || nt > bd.t)) { bd.t = nt; bd.has = true; }
   return got;
+}
+
+// The first phase's work for thread t of T: the pool's root entry, hist zeroed (all nord
+// buckets: the refinements use the first kBins, the order all of them), and the exactness check
+// of the log-probs t, t + T, ... (S.flags, S.emin, S.emax; build reads the verdict after the
+// phase's barrier).
+KDT_HD void check_phase(Shared& S, const Arrays& A, const float* lp, int L, int K, int t, int T) {
+  if (t == 0) { A.p0.score[0] = 0.0; A.p0.cand[0] = 0; A.p0.key[0] = 0; }
+  for (int i = t; i < A.nord; i += T) A.hist[i] = 0;
+  int emin = 1 << 30, emax = -(1 << 30), bad = 0;
+  const int step = T % K;
+  int col = t % K;  // i's column, advanced without a division per element
+  for (int i = t; i < L * K; i += T) {  // one flat loop: few iterations per thread
+    const float x = lp[i];
+    const int c = col;
+    col += step;
+    if (col >= K) col -= K;
+    union { float f; uint32_t u; } v;
+    v.f = x;
+    if (((v.u >> 23) & 0xFFu) == 0xFFu) { bad |= kInexact; continue; }
+    if (x > 0.0f) bad |= kAnomaly;
+    if (c + 1 < K && !(lp[i + 1] <= x)) bad |= kAnomaly;
+    if (x != 0.0f) {
+      int lsb, top;
+      float_exponents(x, lsb, top);
+      if (lsb < emin) emin = lsb;
+      if (top > emax) emax = top;
+    }
+  }
+  if (bad) atomic_or(&S.flags, bad);
+  if (emin < (1 << 30)) atomic_min_int(&S.emin, emin);
+  if (emax > -(1 << 30)) atomic_max_int(&S.emax, emax);
 }
 
 // Builds one request into N (node order; slot 0 the root); returns the slots used (root
@@ -468,34 +533,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
   // alongside the check: no barrier of its own; both are read after the check's). They are
   // used only when the check passes, when every such sum is exact.
   blk.chain_sums(lp, L, K, kc, A.chain, &S.fmin);
-  blk.run([&](int t) {
-    if (t == 0) { A.p0.score[0] = 0.0; A.p0.cand[0] = 0; A.p0.key[0] = 0; }
-    // All of hist: the refinements use its first kBins, the order all nord.
-    for (int i = t; i < A.nord; i += T) A.hist[i] = 0;
-    int emin = 1 << 30, emax = -(1 << 30), bad = 0;
-    const int step = T % K;
-    int col = t % K;  // i's column, advanced without a division per element
-    for (int i = t; i < L * K; i += T) {  // one flat loop: few iterations per thread
-      const float x = lp[i];
-      const int c = col;
-      col += step;
-      if (col >= K) col -= K;
-      union { float f; uint32_t u; } v;
-      v.f = x;
-      if (((v.u >> 23) & 0xFFu) == 0xFFu) { bad |= kInexact; continue; }
-      if (x > 0.0f) bad |= kAnomaly;
-      if (c + 1 < K && !(lp[i + 1] <= x)) bad |= kAnomaly;
-      if (x != 0.0f) {
-        int lsb, top;
-        float_exponents(x, lsb, top);
-        if (lsb < emin) emin = lsb;
-        if (top > emax) emax = top;
-      }
-    }
-    if (bad) atomic_or(&S.flags, bad);
-    if (emin < (1 << 30)) atomic_min_int(&S.emin, emin);
-    if (emax > -(1 << 30)) atomic_max_int(&S.emax, emax);
-  });
+  blk.run([&](int t) { check_phase(S, A, lp, L, K, t, T); });
   blk.mark(1);
   // The verdict, by every thread from the scalars (uniform): no phase of its own.
   {
@@ -510,6 +548,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
   }
   blk.mark(2);
   const double top = (double)lp[0];  // the best score of all: depth 1, rank 0
+  const int lsb = S.emin;  // every score is a multiple of 2^lsb (Bins)
   Bound bd{0.0, false};
   bool hist_clean = true;  // hist is all zero (uniform)
   // The family: (0, ..., 0, r) at every depth; the depth-2 grid (r1, r2), 1 <= r1 < g, r2 < g,
@@ -535,7 +574,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
       flo = corner < flo ? corner : flo;
     }
     hist_clean = false;
-    refine(blk, A, bd, flo, top, budget, cap / 2, [&](int t, auto f) {
+    refine(blk, A, bd, flo, top, budget, cap / 2, lsb, [&](int t, auto f) {
       for (int i = t; i < nfam; i += T) {  // one flat loop: few iterations per thread
         if (i < nchain) {
           const int d = i / kc, r = i - d * kc;
@@ -658,7 +697,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
         });
         const double lo = bd.has ? bd.t : unordered(S.pmin < S.rmin ? S.pmin : S.rmin);
         hist_clean = false;
-        const int got = refine(blk, A, bd, lo, top, budget, cap / 2, [&](int t, auto f) {
+        const int got = refine(blk, A, bd, lo, top, budget, cap / 2, lsb, [&](int t, auto f) {
           for (int e = 1 + t; e < le; e += T) f(P.score[e]);
           for (int k = t; k < total; k += T) {
             const int x = run_of(A.cnt, m, k);
@@ -707,7 +746,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
       const Pool P = A.pool(c);
       const double lo = bd.has ? bd.t : unordered(S.pmin);
       hist_clean = false;
-      const int got = refine(blk, A, bd, lo, top, budget, cap / 2, [&](int t, auto f) {
+      const int got = refine(blk, A, bd, lo, top, budget, cap / 2, lsb, [&](int t, auto f) {
         for (int e = 1 + t; e < le; e += T) f(P.score[e]);
       });
       if (got) kept = got;
@@ -732,7 +771,9 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
 #else
   Bins bins{};  // read only when spread; g++ (-Wmaybe-uninitialized) cannot see that
 #endif
-  const bool spread = n > 1 && make_bins(lo, top, A.nord, bins);
+  int mord = 0;  // nord = 2^mord buckets
+  while (1 << mord < A.nord) ++mord;
+  const bool spread = n > 1 && make_bins(lo, top, mord, lsb, bins);
   // hist's bins above kBins are still zero from the first phase; its first kBins are too
   // unless a refinement ran after the last level's write.
   if (!hist_clean) {
@@ -746,7 +787,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
       A.inv[e] = 0;
       const double s = P.score[e];
       if (!(all || s >= tt)) { A.cnt[e] = -1; continue; }
-      const int bk = spread ? A.nord - 1 - bins.of(s) : 0;  // bucket 0: the best scores
+      const int bk = spread ? bins.nb - 1 - bins.of(s) : 0;  // bucket 0: the best scores
       A.cnt[e] = (bk << 16) | hist_add(A.hist, bk);
     }
   });

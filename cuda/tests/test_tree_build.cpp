@@ -4,7 +4,10 @@
 // parallel and the one-warp builds vs the serial heap, and every CUDA mode (KDT_TREE_BUILD:
 // auto, warp, parallel, serial) vs the CPU.
 //   test_tree_build --bundles DIR [--seed S]
+#include <algorithm>
 #include <cmath>
+#include <functional>
+#include <random>
 #include <cstdlib>
 
 #include "_tree_io.hpp"
@@ -137,7 +140,7 @@ std::string plan_layouts() {
   struct Want { size_t limit; int budget, cap; bool twin; int nord; };
   const size_t h200 = 232448 - 1024, sm120 = 100352;  // opt-in bytes less the static kilobyte
   const Want wants[] = {{h200, 63, 256, true, 1024},     {h200, 511, 2048, true, 1024},
-                        {h200, 1023, 3072, true, 3072},  {h200, 1024, 3072, true, 3072},
+                        {h200, 1023, 3072, true, 4096},  {h200, 1024, 3072, true, 4096},
                         {sm120, 767, 1536, true, 1024},  {sm120, 1023, 2304, false, 1024},
                         {sm120, 1024, 2304, false, 1024}};
   for (const Want& w : wants) {
@@ -155,6 +158,87 @@ std::string plan_layouts() {
   return "";
 }
 
+// A random multiple of 2^g in (-2^(g + bits), 0], as a double (exact for bits <= 53).
+double grid_value(std::mt19937_64& rng, int g, int bits) {
+  const int64_t m = (int64_t)(rng() >> (64 - bits));
+  return -std::ldexp((double)m, g);
+}
+
+// tree::par::Bins on exact inputs: scores and bounds are multiples of 2^g spanning up to 2^48
+// of them (g from the smallest float's lowest bit to large exponents). Every score in [lo, hi]
+// falls in a bin b with edge(b) < s <= edge(b + 1), the bin the exact integer arithmetic gives,
+// and the edges are exact multiples of the width.
+std::string bins_exact(uint64_t seed) {
+  namespace par = kdt::tree::par;
+  std::mt19937_64 rng(seed);
+  for (int trial = 0; trial < 4000; ++trial) {
+    const int g = -149 + (int)(rng() % 260), bits = 1 + (int)(rng() % 48), m = (int)(rng() % 13);
+    double lo = grid_value(rng, g, bits), hi = grid_value(rng, g, bits);
+    if (lo > hi) std::swap(lo, hi);
+    par::Bins B;
+    const std::string at = "g " + std::to_string(g) + " bits " + std::to_string(bits) + " m " +
+                           std::to_string(m) + " trial " + std::to_string(trial);
+    if (!par::make_bins(lo, hi, m, g, B)) {
+      if (hi > lo) return at + ": make_bins refused hi > lo";
+      continue;
+    }
+    if (B.nb != 1 << m || !(B.w >= std::ldexp(1.0, g)) || !(B.w * B.nb > hi - lo))
+      return at + ": width " + std::to_string(B.w) + " for nb " + std::to_string(B.nb);
+    const int64_t H = (int64_t)std::ldexp(-hi, -g), W = (int64_t)std::ldexp(B.w, -g);
+    for (int k = 0; k < 50; ++k) {
+      const uint64_t span = (uint64_t)std::ldexp(hi - lo, -g) + 1;  // grid points in [lo, hi]
+      double s = k == 0 ? lo : k == 1 ? hi : lo + std::ldexp((double)(rng() % span), g);
+      if (k >= 2 && W > 1 && rng() % 2) {  // on an edge: hi - j w
+        const int64_t j = (int64_t)(rng() % (uint64_t)B.nb);
+        s = hi - (double)j * B.w;
+        if (s < lo) continue;
+      }
+      const int b = B.of(s);
+      const int64_t S = (int64_t)std::ldexp(-s, -g);
+      const int want = B.nb - 1 - (int)((S - H) / W);
+      if (b != want || !(B.edge(b) < s && s <= B.edge(b + 1)))
+        return at + ": score " + std::to_string(s) + " in bin " + std::to_string(b) + ", want " +
+               std::to_string(want);
+      if (std::ldexp(hi - B.edge(b), -g) != (double)((int64_t)(B.nb - b) * W))
+        return at + ": edge " + std::to_string(b) + " is not hi - (nb - b) w";
+    }
+  }
+  return "";
+}
+
+// count_at_least (a float search against the smallest float at or above t - s) against the
+// float64 count s + row[r] >= t, on exact inputs with ties and on rows of every magnitude.
+std::string count_exact(uint64_t seed) {
+  namespace par = kdt::tree::par;
+  std::mt19937_64 rng(seed + 1);
+  for (int trial = 0; trial < 20000; ++trial) {
+    const int g = -149 + (int)(rng() % 250), K = 1 + (int)(rng() % 70);
+    std::vector<float> row(K);
+    // Up to 32 bits: above 24 a float keeps the multiples of 2^g, and t - s between two floats
+    // (below) tells a rounding-up conversion from a rounding-to-nearest one.
+    const int top = std::min(32, 127 - g);  // finite floats
+    for (float& x : row) x = (float)grid_value(rng, g, 1 + (int)(rng() % top));
+    if (rng() % 3 == 0)
+      for (int r = 1; r < K; ++r)
+        if (rng() % 2) row[r] = row[r - 1];  // ties
+    std::sort(row.begin(), row.end(), std::greater<float>());
+    const double s = grid_value(rng, g, 1 + (int)(rng() % 40));
+    double t = s + (double)row[rng() % K];  // a threshold some ranks meet exactly
+    const double step = std::ldexp(1.0, g) * (double)(1 + rng() % 64);
+    if (rng() % 3 == 1) t -= step;
+    if (rng() % 3 == 2) t += step;  // just above a rank's score
+    if (!(s + (double)row[0] >= t)) continue;
+    int want = 0;
+    while (want < K && s + (double)row[want] >= t) ++want;
+    const int got = par::count_at_least(row.data(), K, s, t);
+    if (got != want)
+      return "g " + std::to_string(g) + " K " + std::to_string(K) + " trial " +
+             std::to_string(trial) + ": counted " + std::to_string(got) + ", want " +
+             std::to_string(want);
+  }
+  return "";
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -163,6 +247,8 @@ int main(int argc, char** argv) {
   h.run("worked_example/cpu", worked_example);
   h.run("invalid_arguments", invalid_arguments);
   h.run("plan_layouts", plan_layouts);
+  h.run("bins_exact", [&] { return bins_exact(h.seed); });
+  h.run("count_exact", [&] { return count_exact(h.seed); });
   if (!kdt_has_cuda()) {
     h.run("cuda_backend_unsupported_in_cpu_build", [] {
       BuildIn in{1, 1, 1, 1, {0.f}, {1}, {0}, {0}};
