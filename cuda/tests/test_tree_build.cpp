@@ -6,9 +6,9 @@
 //   test_tree_build --bundles DIR [--seed S]
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <functional>
 #include <random>
-#include <cstdlib>
 
 #include "_tree_io.hpp"
 #include "tree_build_parallel.h"
@@ -185,8 +185,8 @@ std::string bins_exact(uint64_t seed) {
     if (B.nb != 1 << m || !(B.w >= std::ldexp(1.0, g)) || !(B.w * B.nb > hi - lo))
       return at + ": width " + std::to_string(B.w) + " for nb " + std::to_string(B.nb);
     const int64_t H = (int64_t)std::ldexp(-hi, -g), W = (int64_t)std::ldexp(B.w, -g);
+    const uint64_t span = (uint64_t)std::ldexp(hi - lo, -g) + 1;  // grid points in [lo, hi]
     for (int k = 0; k < 50; ++k) {
-      const uint64_t span = (uint64_t)std::ldexp(hi - lo, -g) + 1;  // grid points in [lo, hi]
       double s = k == 0 ? lo : k == 1 ? hi : lo + std::ldexp((double)(rng() % span), g);
       if (k >= 2 && W > 1 && rng() % 2) {  // on an edge: hi - j w
         const int64_t j = (int64_t)(rng() % (uint64_t)B.nb);
