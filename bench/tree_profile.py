@@ -30,8 +30,9 @@ from dataclasses import dataclass
 # ends there; 100 + d, 200 + d and 300 + d are level d's.
 PHASES = {
     0: "staging", 1: "exactness check, chain sums", 2: "exactness verdict", 4: "probe 4",
-    5: "histogram pass", 3: "first threshold", 80: "order: buckets", 81: "order: ranks",
-    85: "order: placed", 82: "nodes", 96: "slots", 97: "visibility zeroed", 99: "visibility rows",
+    5: "histogram pass", 3: "first threshold", 6: "queue: the root's run", 7: "queue: drained",
+    80: "order: buckets", 81: "order: ranks", 85: "order: placed", 82: "nodes", 96: "slots",
+    97: "visibility zeroed", 99: "visibility rows",
 }
 LEVEL_PHASES = {1: "runs", 2: "write", 3: "bound check"}
 

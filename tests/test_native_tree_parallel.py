@@ -137,6 +137,53 @@ def test_parallel_strict_detects_a_child_above_its_parent(monkeypatch):
     assert_same(native().build_tree(*args), ddtree.build_tree(*args), FIELDS_TREE, "fallback")
 
 
+def _queue_overflow_inputs(bs, scale):
+    """Budget 63 (a pool of 256): rank-0 steps of -2^-20 and deviations of about -1, so that
+    the first bound (the 63rd best of the chain's one-step deviations and the depth-2 grid) keeps
+    each of its deviations' rank-0 descendants too: about 300 nodes at or above it, more than the
+    pool. The queue overflows and gives way to the levels, whose refinements fit the pool; no
+    two paths tie. scale (a power of two) keeps every sum exact."""
+    L, K = 16, 63
+    d = np.arange(1, L + 1)[:, None]
+    lp = np.concatenate([np.full((L, 1), -2.0 ** -20),
+                         -1.0 - np.arange(1, K)[None, :] / 64.0 - d / 1024.0], axis=1) * scale
+    lp = np.ascontiguousarray(np.broadcast_to(lp, (bs, L, K)), dtype=np.float32)
+    ids = np.broadcast_to(np.arange(K, dtype=np.int64), (bs, L, K)).copy()
+    return lp, ids, np.arange(bs, dtype=np.int64), np.full(bs, 7, np.int64)
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0 ** -40, 2.0 ** 40])
+def test_parallel_cpu_strict_queue_overflow(monkeypatch, scale):
+    # The queue (budgets <= 63) overflows the pool on these inputs (checked with a probe when
+    # written: it stops at 257 entries); the levels must then build the tree from the same
+    # bound, without the serial fallback (strict).
+    monkeypatch.setenv("KDT_TREE_BUILD", "parallel-strict")
+    args = _queue_overflow_inputs(2, scale)
+    assert_same(native().build_tree(*args[:2], 63, *args[2:]),
+                ddtree.build_tree(*args[:2], 63, *args[2:]), FIELDS_TREE, f"scale={scale}")
+
+
+@pytest.mark.cuda
+def test_cuda_parallel_queue(monkeypatch, cuda_ready):
+    # The queue's schedule on the GPU: every warp spinning on its entries, runs allocated by
+    # atomics in any order, and the overflow that hands over to the levels; bench-like inputs
+    # at budgets 32..63 and the overflowing ones, many blocks at once.
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    monkeypatch.setenv("KDT_TREE_BUILD", "parallel")
+    from bench.inputs import tree_inputs
+
+    for budget in (32, 47, 63):
+        inp = tree_inputs(rng, 96, 15, min(budget, 64))
+        args = (inp["top_logp"], inp["top_ids"], inp["root_ids"], inp["seq_lens"])
+        assert_same(native().build_tree(*args[:2], budget, *args[2:], device="cuda"),
+                    ddtree.build_tree(*args[:2], budget, *args[2:]), FIELDS_TREE,
+                    f"seed={seed} budget={budget}")
+    args = _queue_overflow_inputs(40, 1.0)
+    assert_same(native().build_tree(*args[:2], 63, *args[2:], device="cuda"),
+                ddtree.build_tree(*args[:2], 63, *args[2:]), FIELDS_TREE, "queue overflow")
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("mode", ["auto", "warp", "parallel", "serial"])
 @pytest.mark.parametrize("budget", BUDGETS)

@@ -9,10 +9,11 @@
 //     32 slots per lane for budgets 256..1023: 151 and 253 registers on sm_90). Budget 1024 runs
 //     the parallel build.
 //   parallel: tree_build_parallel.h with 256 or 512 threads per block (an exact-sum check, then
-//     level-by-level expansion under a rising score bound, then a bucket sort of the kept
-//     nodes); a request it declines (log-probs whose float64 sums may round, a positive
-//     log-prob or an unsorted row, or a pool overflow from masses of exact ties) is built by the
-//     block's warp 0 with the serial warp selection below, in the same launch.
+//     level-by-level expansion under a rising score bound, or up to budget 63 a queue under a
+//     fixed one, then a bucket sort of the kept nodes); a request it declines (log-probs whose
+//     float64 sums may round, a positive log-prob or an unsorted row, or a pool overflow from
+//     masses of exact ties) is built by the block's warp 0 with the serial warp selection
+//     below, in the same launch.
 //   serial: the earlier kernel below, 128 threads per block, the selection serial.
 //
 // Two serial selection variants, both reproducing the CPU order exactly (same float64 scores, same
@@ -297,6 +298,71 @@ struct GpuBlock {
       __syncthreads();
     }
     return base;
+  }
+  // The queue (tree_build_parallel.h, section 1'): entries [1, n0) are written; entry i >= 1
+  // is ready once flag[i] (its cand) is nonzero. Expanding it allocates len(i) entries at the
+  // end of the pool for its run, and put(i, e, r) writes rank r into entry e (score and key)
+  // and returns its cand, stored after a fence. Thread t owns entries 1 + t, 1 + t + T, ... and
+  // takes each as soon as it is ready; a warp allocates its ready entries' runs with one atomic
+  // on *work = allocated << 12 | expanded (expanded <= cap < 4096: an entry counts as expanded
+  // by the atomic that allocates its run, so "expanded == allocated" in one load means every
+  // entry is expanded and written), and writes them flattened, a child a lane (an element's run
+  // by a binary search over the lanes' offsets). Returns the entries allocated, or -1 when they
+  // would pass cap (the pool is then incomplete). Every thread calls it; it ends with a barrier.
+  template <class Len, class Put>
+  __device__ int expand(unsigned* work, uint32_t* flag, int n0, int cap, Len len, Put put) {
+    const int lane = threadIdx.x & 31;
+    if (threadIdx.x == 0) *work = ((unsigned)n0 << 12) | 1u;
+    __syncthreads();
+    volatile unsigned* vw = work;
+    volatile uint32_t* vf = flag;
+    int i = 1 + threadIdx.x;
+    for (;;) {
+      // The counter and this thread's next entry in one round trip (an entry past the pool
+      // reads the last one: it is never allocated without an overflow, which ends the loop).
+      const unsigned w = *vw;
+      const uint32_t f = vf[i < cap ? i : cap - 1];
+      const int a = (int)(w >> 12), p = (int)(w & 0xFFFu);
+      // Both are global facts (all expanded, or the pool overflowed): any lane may end the warp.
+      if (__any_sync(kFull, p == a || a > cap)) break;
+      const bool have = i < a && f != 0u;
+      const unsigned hm = __ballot_sync(kFull, have);
+      if (!hm) continue;
+      int c = 0;
+      if (have) {
+        tree::par::block_fence();  // the entry's score and key after its cand
+        c = len(i);
+      }
+      // The warp's runs in one atomic (its total by a reduction, so that the atomic need not
+      // wait for the scan that places the runs).
+      const unsigned total = __reduce_add_sync(kFull, (unsigned)c);
+      unsigned old = 0;
+      if (lane == 0) old = atomicAdd(work, (total << 12) | (unsigned)__popc(hm));
+      const int excl = warp_inclusive(c, lane) - c;
+      const int base = (int)(__shfl_sync(kFull, old, 0) >> 12);
+      __syncwarp();  // the lanes' reads of the ready entries are ordered before the puts
+      if (base + (int)total <= cap) {
+        for (int k0 = 0; k0 < (int)total; k0 += 32) {
+          const int k = k0 + lane;
+          int q = 0;  // the last lane whose run starts at or before k
+#pragma unroll
+          for (int step = 16; step > 0; step >>= 1) {
+            const int x = __shfl_sync(kFull, excl, q + step);
+            if (x <= k) q += step;
+          }
+          const int qi = __shfl_sync(kFull, i, q), qx = __shfl_sync(kFull, excl, q);
+          if (k < (int)total) {
+            const uint32_t cd = put(qi, base + k, k - qx);
+            tree::par::block_fence();
+            vf[base + k] = cd;
+          }
+        }
+      }
+      if (have) i += blockDim.x;
+    }
+    __syncthreads();
+    const int a = (int)(*work >> 12);
+    return a > cap ? -1 : a;
   }
   // Profiling probe (development builds with -DKDT_PAR_PROFILE): thread 0 of every block
   // records the cycle counter; print_marks prints each block's intervals.

@@ -22,6 +22,10 @@
 //      at its end, (0, ..., 0, r), the depth-2 grid (r1 >= 1, r2) of side about sqrt(2 B), and
 //      the grid's corner extended by up to three rank-0 steps; the family's B-th best is <= the
 //      tree's B-th best.
+//   1'. Up to budget kQueueMaxBudget, the nodes at or above t go through a queue instead: the
+//      root's run by the block, then each entry, once written, gets its run (the same count)
+//      at the end of the pool, written a child a lane by its warp (Block::expand). A queue
+//      that would overflow the pool gives way to the levels.
 //   1. Level by level, each kept node of the previous level gets a run of children, ranks
 //      0..c-1 with s(parent) + lp[d][r] >= t (c by a 4-ary search, last_pass: scores fall
 //      along a row), placed by a block scan of the lengths (runs in parent order), then
@@ -44,7 +48,8 @@
 //
 // The Block (tree_build.cu's GpuBlock, tree_build_cpu.cpp's CpuBlock) runs each phase for every
 // thread then synchronises (run), and provides the collectives (an exclusive scan, run lengths
-// with their offsets, a suffix pick over a histogram, the chain prefix sums); mark(id) is a
+// with their offsets, a suffix pick over a histogram, the chain prefix sums, the queue of
+// section 1': expand, which ends with a barrier); mark(id) is a
 // profiling probe (clock64 on the GPU when built with KDT_PAR_PROFILE, else nothing; an id
 // names the phase that ends there, level d's are 100 + d, 200 + d and 300 + d; see
 // bench/tree_profile.py). Code outside run() is uniform: it runs once on the CPU and on every
@@ -238,6 +243,7 @@ struct Shared {
   unsigned long long fmin;  // ordered minimum of the first threshold's family
   unsigned long long pmin;  // ordered minimum of the pool's scores (before t exists)
   unsigned long long rmin;  // ordered minimum of a level's run tails (before t exists)
+  unsigned work;            // the queue (Block::expand): entries allocated << 12 | expanded
 };
 
 // One copy of the pool (compaction writes the other one).
@@ -292,6 +298,7 @@ KDT_HD void init(Shared& S) {
   S.fmin = ~0ull;
   S.pmin = ~0ull;
   S.rmin = ~0ull;
+  S.work = 0;
 }
 
 // Result arrays (node order), shared with the serial fallback.
@@ -488,6 +495,37 @@ KDT_HD int refine(Block& blk, const Arrays& A, Bound& bd, double lo, double hi, 
   return got;
 }
 
+// Orders this thread's earlier shared-memory accesses before its later ones, as the block sees
+// them (the queue publishes an entry's cand after its score and key, and reads them after it).
+KDT_HD void block_fence() {
+#if defined(__CUDA_ARCH__)
+  asm volatile("fence.acq_rel.cta;" ::: "memory");
+#endif
+}
+
+// Child r of pool entry p (score s, depth d - 1) into entry e: its score and rank-path key; its
+// cand (the queue's ready flag) is the caller's to write.
+KDT_HD double child_score(const float* row, double s, int r, int d) {
+  const double sc = s + (double)row[r];
+  return sc == 0.0 ? zero_score(row, s, r, d) : sc;
+}
+
+// Budgets up to which the build expands the nodes at or above the first bound through a queue
+// (Block::expand) instead of level by level: a node's children are placed as soon as it is
+// written, so a level costs one node's latency (on the H200 about 1.3k cycles: ~200 to see the
+// entry, ~200 for its run length, ~400 to allocate, ~550 to write a child) instead of a block's
+// count, scan and write (~2.6k), and no level waits for its slowest parent. The first bound
+// leaves few nodes above it at small budgets (bench inputs, 64 requests: 79 at budget 63, at
+// most 162) and more at larger ones (428 at 255, at most 1460; 3675 at 1023), where the levels'
+// refinements keep the pool and the order's buckets small. H200, bench.tree_ab against the
+// levels, kernel alone: budget 63 0.96x at bs 64, 0.93x at bs 16, 0.89x at bs 4, 0.92x at bs 1;
+// budget 127 1.06x at bs 64 (0.95x at bs 1); budget 255 1.15x. A queue that would overflow the
+// pool stops, and the levels run.
+constexpr int kQueueMaxBudget = 63;
+// The queue's counter holds the entries allocated in 20 bits: at most the pool plus a run of at
+// most kQueueMaxBudget entries from each of up to 1024 threads.
+static_assert(kMaxPool + 1024 * kQueueMaxBudget < (1 << 20), "the queue's counter");
+
 // The first phase's work for thread t of T: the pool's root entry, hist zeroed (all nord
 // buckets: the refinements use the first kBins, the order all of them), and the exactness check
 // of the log-probs t, t + T, ... (S.flags, S.emin, S.emax; build reads the verdict after the
@@ -591,8 +629,50 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
     });
   }
   blk.mark(3);
-  // ---- 1, 2. level by level: the parents are the entries [lb, le) -------------------------
   int c = 0, lb = 0, le = 1, kept = 0;
+  // ---- 1'. the queue: every node at or above t, expanded as soon as it is written ----------
+  // The root's run by the block (cand of every later entry zeroed: an entry is ready once its
+  // cand is nonzero), then Block::expand: each entry's run length, its run allocated at the end
+  // of the pool, its children written (score and key, a fence, then cand). The pool then holds
+  // exactly the nodes at or above t (scores fall along a path), in an order that depends on the
+  // schedule; nothing below depends on that order (a run stays contiguous).
+  bool queued = false;
+  if (bd.has && budget <= kQueueMaxBudget) {
+    const Pool P = A.pool(0);
+    const double tt = bd.t;
+    const int c1 = top >= tt ? count_at_least(lp, kc, 0.0, tt) : 0;
+    blk.run([&](int t) {
+      for (int k = t; k < c1; k += T) {
+        P.score[1 + k] = child_score(lp, 0.0, k, 1);
+        P.key[1 + k] = child_key(A, 0, k, 1);
+        P.cand[1 + k] = pack(0u, (uint32_t)k, 1u);
+      }
+      for (int e = 1 + c1 + t; e < cap; e += T) P.cand[e] = 0;
+    });
+    blk.mark(6);
+    const int n = blk.expand(
+        &S.work, P.cand, 1 + c1, cap,
+        [&](int i) {
+          const int d = cand_depth(P.cand[i]);
+          if (d >= L) return 0;
+          const float* row = lp + (size_t)d * K;
+          const double s = P.score[i];
+          return s + (double)row[0] >= tt ? count_at_least(row, kc, s, tt) : 0;
+        },
+        [&](int i, int e, int r) {
+          const int d = cand_depth(P.cand[i]) + 1;
+          const float* row = lp + (size_t)(d - 1) * K;
+          P.score[e] = child_score(row, P.score[i], r, d);
+          P.key[e] = child_key(A, P.key[i], r, d);
+          return pack((uint32_t)i, (uint32_t)r, (uint32_t)d);
+        });
+    blk.mark(7);
+    if (n >= 0) {
+      le = n;
+      queued = true;
+    }
+  }
+  // ---- 1, 2. level by level: the parents are the entries [lb, le) -------------------------
   // Stable compaction of the pool to the root and the entries >= t (parents remapped); the
   // entries [lb, le) stay the current level's.
   auto compact_pool = [&]() {
@@ -654,7 +734,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
     le = kept_c;
     blk.run([](int) {});  // every thread has read cnt
   };
-  for (int d = 1; d <= L; ++d) {
+  for (int d = 1; !queued && d <= L; ++d) {
     const float* row = lp + (size_t)(d - 1) * K;
     int end = le;
     int total = 0;
@@ -725,8 +805,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
           const int q = run_of(A.cnt, m, k);
           const int p = lb + q, r = k - A.cnt[q];
           const double s = P.score[p];
-          double sc = s + (double)row[r];
-          if (sc == 0.0) sc = zero_score(row, s, r, d);
+          const double sc = child_score(row, s, r, d);
           const int e = le + k;
           P.score[e] = sc;
           P.cand[e] = pack((uint32_t)p, (uint32_t)r, (uint32_t)d);
