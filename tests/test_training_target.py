@@ -17,6 +17,7 @@ Seeds of the weight checks are fresh per run (printed).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import shutil
 
@@ -169,6 +170,19 @@ def test_corpus_split_by_file_and_digest(tmp_path):
         C.load_corpus(only_train)
 
 
+def test_corpus_sample_is_fixed_spread_and_within_its_bytes():
+    # 200 files of 100..7.5k bytes in 7 folders; a sample of 40 kB: fixed (the same whatever
+    # the dict's order), in path order, within its bytes and spread over every folder.
+    files = {f"d{i % 7}/f{i:03d}.py": "x" * (100 + 37 * i) for i in range(200)}
+    assert C.sample(files, None) == list(files)
+    got = C.sample(files, 40_000)
+    assert got == sorted(got) and got == C.sample(dict(reversed(list(files.items()))), 40_000)
+    assert 30_000 < sum(len(files[k]) for k in got) <= 40_000
+    assert {k.split("/")[0] for k in got} == {f"d{j}" for j in range(7)}
+    first = min(files, key=lambda r: hashlib.sha256(r.encode()).hexdigest())
+    assert C.sample(files, 1) == [first]  # one file at least, even past the bytes
+
+
 # ---------------------------------------------------------------- a toy run, through the cache
 
 @pytest.fixture(scope="module")
@@ -197,6 +211,10 @@ def test_toy_run_learns_and_records_everything(toy_run):
     assert rec["corpus"]["digest"] == c.digest and rec["corpus"]["root"] == str(corpus)
     split = rec["corpus"]["split"]
     assert (split["train_files"], split["heldout_files"]) == (24, 2)
+    # the toy's sample of the corpus holds all of this small one
+    sample = rec["corpus_sample"]
+    assert sample["max_bytes"] == p["corpus_bytes"]
+    assert (sample["train_files"], sample["heldout_files"]) == (24, 2)
     assert split["heldout_list_sha256"] == c.heldout_digest
     assert rec["seed"] == 0 and rec["config_name"] == "toy" and rec["device"] == "cpu"
     for key in ("tokenizer", "encode", "target", "eval", "drafter", "tau", "wall"):

@@ -4,8 +4,9 @@
                                      [--seed 0] [--config small|toy] [--steps N]
 
 1. The corpus (engine.training.corpus: the running interpreter's stdlib *.py, split by file,
-   digested) and a byte-level BPE of PRESETS[...]["vocab"] ids trained on the training files
-   (engine.training.bpe), saved as DIR/tokenizer.json.
+   digested; the toy takes a fixed sample of it, `corpus_bytes`) and a byte-level BPE of
+   PRESETS[...]["vocab"] ids trained on the training files (engine.training.bpe), saved as
+   DIR/tokenizer.json.
 2. The target (engine.training.target.TargetNet, the engine's MLA + MoE architecture) trained on
    random windows of the training files' token stream (files joined by <|endoftext|>): AdamW,
    linear warmup then cosine decay to a tenth, bf16 autocast on CUDA, gradient clipping, the
@@ -38,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.training.corpus import RECORD_FILE, cut_prompts, load_corpus
+from engine.training.corpus import RECORD_FILE, cut_prompts, load_corpus, sample
 
 SCHEMA = 1
 
@@ -74,6 +75,7 @@ PRESETS = {
         "router_balance_rate": 1e-3, "eval_tokens": 1 << 20, "eval_tokens_cpu": 1 << 15,
         "curve_tokens": 1 << 16,
         "minutes": 4.0, "target_share": 0.62, "cpu_threads": None,
+        "corpus_bytes": None,  # every file of the corpus
         # sequences: an upper bound; collection stops at 40% of the drafter's time (drafter.py)
         "drafter": {"sequences": 8192, "held_out": 64, "prompt_tokens": (16, 128), "new_tokens": 96,
                     "batch": 256, "lr": 2e-3, "steps": 1_000_000, "data_batch": 128},
@@ -86,6 +88,9 @@ PRESETS = {
         "router_balance_rate": 1e-3, "eval_tokens": 8192, "eval_tokens_cpu": 8192,
         "curve_tokens": 2048, "minutes": 0.5,
         "target_share": 0.6,
+        # a sample of the corpus (a quarter of it held out): the whole stdlib takes ~15 s to
+        # tokenize, most of the target's 18 s, and a toy sees a few hundred thousand tokens
+        "corpus_bytes": 1 << 20,
         "cpu_threads": 1,  # matrices of tens of columns: a second thread only spins
         "drafter": {"sequences": 12, "held_out": 4, "prompt_tokens": (8, 16), "new_tokens": 12,
                     "batch": 16, "lr": 3e-3, "steps": 20, "data_batch": 16},
@@ -164,7 +169,20 @@ def _run(out, p, dev, corpus, minutes, seed, config, steps, log, progress, t_sta
     corp = load_corpus(corpus)
     log(f"corpus {corp.root}: {len(corp.train)} training + {len(corp.heldout)} held-out files, "
         f"digest {corp.digest[:16]}")
-    train_texts, held_texts = list(corp.train.values()), list(corp.heldout.values())
+    cap = p["corpus_bytes"]
+    train_paths = sample(corp.train, cap)
+    held_paths = sample(corp.heldout, None if cap is None else cap // 4)
+    train_texts = [corp.train[k] for k in train_paths]
+    held_texts = [corp.heldout[k] for k in held_paths]
+    used = None
+    if cap is not None:
+        used = {"max_bytes": cap, "train_files": len(train_texts),
+                "train_bytes": sum(len(t.encode()) for t in train_texts),
+                "heldout_files": len(held_texts),
+                "heldout_bytes": sum(len(t.encode()) for t in held_texts)}
+        log(f"corpus sample (at most {cap:,} bytes): {used['train_files']} training files "
+            f"({used['train_bytes']:,} bytes) + {used['heldout_files']} held-out "
+            f"({used['heldout_bytes']:,} bytes)")
     t = time.monotonic()
     train_bpe(train_texts, p["model"]["vocab_size"], out)
     tok = load_tokenizer(out, p["model"]["vocab_size"])
@@ -234,7 +252,7 @@ def _run(out, p, dev, corpus, minutes, seed, config, steps, log, progress, t_sta
         "steps_limit": steps, "device": str(dev), "device_name": _device_name(dev),
         "python": platform.python_version(), "torch": torch.__version__,
         "parameters": n_params, "active_parameters": n_active,
-        "corpus": corp.record(),
+        "corpus": corp.record(), "corpus_sample": used,
         "tokenizer": {"vocab_size": tok.vocab_size, "train_tokens": len(train_ids),
                       "heldout_tokens": len(held_ids),
                       "bytes_per_token": round(sum(len(s.encode()) for s in train_texts)

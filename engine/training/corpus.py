@@ -67,6 +67,23 @@ class Corpus:
                           "heldout_sha256": {p: self.file_sha256[p] for p in self.heldout}}}
 
 
+def sample(files: dict[str, str], max_bytes: int | None) -> list[str]:
+    """The paths of `files` (relative path -> text) to train on: all of them, in path order, or
+    with max_bytes a fixed sample spread over the whole tree: taken in sha256(path) order, each
+    file whose text still fits in max_bytes with those taken before (the first one always), and
+    returned in path order. The same on every run and host for the same corpus."""
+    if max_bytes is None:
+        return list(files)
+    picked, total = [], 0
+    for rel in sorted(files, key=lambda r: hashlib.sha256(r.encode()).hexdigest()):
+        n = len(files[rel].encode())
+        if picked and total + n > max_bytes:
+            continue
+        picked.append(rel)
+        total += n
+    return sorted(picked)
+
+
 def load_corpus(root: str | Path | None = None) -> Corpus:
     """Every *.py below root (default: this interpreter's stdlib), split by file."""
     root = Path(root) if root is not None else stdlib_root()
