@@ -178,7 +178,11 @@ std::string mutate_doc(Doc* d, std::mt19937_64& rng) {
       return "deep nesting";
     }
     case 6: {  // many zero-size tensors at the end of the data section
-      const size_t counts[] = {10, 1000, kdt::kMaxTensors - d->entries.size(), kdt::kMaxTensors + 1};
+      // up to the limit exactly (none when a first mutation already passed it: an unsigned
+      // difference would wrap and push entries until memory runs out), and one past it
+      const size_t have = d->entries.size();
+      const size_t room = have < kdt::kMaxTensors ? kdt::kMaxTensors - have : 0;
+      const size_t counts[] = {10, 1000, room, kdt::kMaxTensors + 1};
       const size_t n = counts[rng() % 20 == 0 ? 2 + pick(2) : pick(2)];
       for (size_t k = 0; k < n; ++k)
         d->entries.push_back({quote("z" + std::to_string(k)), "\"U8\"", "[0]", offsets_text(D, D), ""});
