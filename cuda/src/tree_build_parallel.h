@@ -640,13 +640,18 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
   if (bd.has && budget <= kQueueMaxBudget) {
     const Pool P = A.pool(0);
     const double tt = bd.t;
+    // Child r of entry i into entry e (score and key); returns its cand. The root (entry 0,
+    // score 0, key 0, cand 0: depth 0) is a parent like any other.
+    auto put = [&](int i, int e, int r) {
+      const int d = cand_depth(P.cand[i]) + 1;
+      const float* row = lp + (size_t)(d - 1) * K;
+      P.score[e] = child_score(row, P.score[i], r, d);
+      P.key[e] = child_key(A, P.key[i], r, d);
+      return pack((uint32_t)i, (uint32_t)r, (uint32_t)d);
+    };
     const int c1 = top >= tt ? count_at_least(lp, kc, 0.0, tt) : 0;
     blk.run([&](int t) {
-      for (int k = t; k < c1; k += T) {
-        P.score[1 + k] = child_score(lp, 0.0, k, 1);
-        P.key[1 + k] = child_key(A, 0, k, 1);
-        P.cand[1 + k] = pack(0u, (uint32_t)k, 1u);
-      }
+      for (int k = t; k < c1; k += T) P.cand[1 + k] = put(0, 1 + k, k);
       for (int e = 1 + c1 + t; e < cap; e += T) P.cand[e] = 0;
     });
     blk.mark(6);
@@ -659,13 +664,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
           const double s = P.score[i];
           return s + (double)row[0] >= tt ? count_at_least(row, kc, s, tt) : 0;
         },
-        [&](int i, int e, int r) {
-          const int d = cand_depth(P.cand[i]) + 1;
-          const float* row = lp + (size_t)(d - 1) * K;
-          P.score[e] = child_score(row, P.score[i], r, d);
-          P.key[e] = child_key(A, P.key[i], r, d);
-          return pack((uint32_t)i, (uint32_t)r, (uint32_t)d);
-        });
+        put);
     blk.mark(7);
     if (n >= 0) {
       le = n;
