@@ -513,23 +513,66 @@ __global__ void tree_build_parallel_kernel(TreeBuildArgs a, int cap, int twin, i
                             nbuf, cnt, srt, order, inv, hist, chain, ks.key_bits,
                             ks.key_depth, nord};
   if (threadIdx.x == 0) tree::par::init(S);
+  GpuBlock blk{wsum};
+  // Staged: the first phase's work is done here, on the values as they arrive (build's pre):
+  // each thread checks the log-probs it stages, a warp's verdicts are reduced into chk, and
+  // warp 0 adds the chain sums (from global memory: the staged copy is read after the barrier).
+  __shared__ int chk[3][32];  // per warp: flags, emin, emax
   if (kStaged) {
-    // Eight loads in flight per thread before the stores.
     float* staged = reinterpret_cast<float*>(next_sibling + n);
-    const int T = blockDim.x;
-    for (int i0 = threadIdx.x; i0 < (int)lk; i0 += 8 * T) {
+    const int T = blockDim.x, lane = threadIdx.x & 31, K = a.K, n_lp = (int)lk;
+    tree::par::first_entries(A, threadIdx.x, T);
+    tree::par::Checked ck;
+    // A warp stages 256 consecutive log-probs a round, eight loads in flight per lane before
+    // the stores, and each lane checks its element against the next one: lane l + 1's, lane
+    // 31's against lane 0's next, and the round's last against the next round's first, which
+    // lane 31 loads besides.
+    const int w = threadIdx.x >> 5, step = 32 % K;
+    for (int i0 = 256 * w; i0 < n_lp; i0 += 8 * T) {  // uniform in the warp
       float v[8];
 #pragma unroll
-      for (int k = 0; k < 8; ++k) v[k] = i0 + k * T < (int)lk ? __ldg(lp + i0 + k * T) : 0.0f;
+      for (int k = 0; k < 8; ++k) {
+        const int i = i0 + 32 * k + lane;
+        v[k] = i < n_lp ? __ldg(lp + i) : 0.0f;
+      }
+      const float last = lane == 31 && i0 + 256 < n_lp ? __ldg(lp + i0 + 256) : 0.0f;
+      int col = (i0 + lane) % K;
 #pragma unroll
-      for (int k = 0; k < 8; ++k)
-        if (i0 + k * T < (int)lk) staged[i0 + k * T] = v[k];
+      for (int k = 0; k < 8; ++k) {
+        const int i = i0 + 32 * k + lane;
+        const float up = __shfl_down_sync(kFull, v[k], 1);
+        const float wrap = __shfl_sync(kFull, v[k < 7 ? k + 1 : 7], 0);
+        if (i < n_lp) {
+          staged[i] = v[k];
+          ck.add(v[k], col + 1 < K, lane < 31 ? up : k < 7 ? wrap : last);
+        }
+        col += step;
+        if (col >= K) col -= K;
+      }
     }
+    ck.flags = (int)__reduce_or_sync(kFull, (unsigned)ck.flags);
+    ck.emin = __reduce_min_sync(kFull, ck.emin);
+    ck.emax = __reduce_max_sync(kFull, ck.emax);
+    if (lane == 0) {
+      chk[0][threadIdx.x >> 5] = ck.flags;
+      chk[1][threadIdx.x >> 5] = ck.emin;
+      chk[2][threadIdx.x >> 5] = ck.emax;
+    }
+    blk.chain_sums(lp, a.L, K, min(K, a.budget), chain, &S.fmin);
     lp = staged;
   }
   __syncthreads();
+  tree::par::Checked pre;
+  if (kStaged) {
+    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) {
+      tree::par::Checked o;
+      o.flags = chk[0][w];
+      o.emin = chk[1][w];
+      o.emax = chk[2][w];
+      pre.merge(o);
+    }
+  }
   const tree::par::Nodes nodes{node_score, node_cand, first_child, next_sibling};
-  GpuBlock blk{wsum};
 #if defined(KDT_PAR_PROFILE)
   __shared__ long long prof_marks[192];
   __shared__ int prof_ids[192];
@@ -540,15 +583,19 @@ __global__ void tree_build_parallel_kernel(TreeBuildArgs a, int cap, int twin, i
   // KDT_PAR_REPEAT: build again and keep the last build's marks (is the first one paying for
   // cold caches?).
   for (int rep = 1; rep < KDT_PAR_REPEAT; ++rep) {
-    tree::par::build(blk, S, A, nodes, lp, a.L, a.K, a.budget, cap);
+    tree::par::build(blk, S, A, nodes, lp, a.L, a.K, a.budget, cap, kStaged ? &pre : nullptr);
     __syncthreads();
     if (threadIdx.x == 0) tree::par::init(S);
+    if (kStaged) tree::par::first_entries(A, threadIdx.x, blockDim.x);
+    __syncthreads();
+    if (kStaged) blk.chain_sums(lp, a.L, a.K, min(a.K, a.budget), chain, &S.fmin);
     __syncthreads();
     blk.nmark = 0;
     blk.t0 = clock64();
   }
 #endif
-  int u = tree::par::build(blk, S, A, nodes, lp, a.L, a.K, a.budget, cap);
+  int u = tree::par::build(blk, S, A, nodes, lp, a.L, a.K, a.budget, cap,
+                           kStaged ? &pre : nullptr);
   if (u < 0) {
     // The serial selection (warp variant) over the pool's memory: its frontier and keys (20 n
     // bytes) fit in one copy (20 cap bytes; cap > n).

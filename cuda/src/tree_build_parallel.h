@@ -73,10 +73,21 @@ constexpr int kBins = 1 << kBinsLog2;  // histogram bins of the threshold refine
 constexpr int kOrderBins = 1024; // score buckets of the final order, at least (order_bins)
 constexpr int kMaxPool = 3072;  // pool capacity bound
 
-// Pool capacity for a budget: 4 (budget + 1) rounded up to a multiple of 256, at most kMaxPool.
-// Any capacity > budget is correct (a pool that overflows even after the threshold rose and the
-// pool was compacted declines the request); a larger one overflows less often.
+// Budgets up to which the build expands the nodes at or above the first bound through a queue
+// (section 1'; see Block::expand below), and the queue's pool there.
+constexpr int kQueueMaxBudget = 63;
+constexpr int kQueuePool = 512;
+
+// Pool capacity for a budget: kQueuePool up to kQueueMaxBudget, else 4 (budget + 1) rounded up
+// to a multiple of 256, at most kMaxPool. Any capacity > budget is correct (a pool that
+// overflows even after the threshold rose and the pool was compacted declines the request); a
+// larger one overflows less often. A queue that overflows gives way to the levels, which cost
+// more than the whole queue (the kernels suite's run c858683: one of 64 requests at budget 63
+// had 300 nodes at or above the first bound, and that batch took 21.5 us against 16.7 us in the
+// tree_build suite). H200, bench.tree_ab, 512 against 256 entries on requests that fit both: bs
+// 1 1.00x, bs 64 0.995-1.007x (nine draws), bs 256 1.00x, bs 1024 1.00x.
 KDT_HD int pool_capacity(int budget) {
+  if (budget <= kQueueMaxBudget) return kQueuePool;
   const int c = (4 * (budget + 1) + 255) / 256 * 256;
   return c < kMaxPool ? c : kMaxPool;
 }
@@ -471,6 +482,7 @@ KDT_HD int refine(Block& blk, const Arrays& A, Bound& bd, double lo, double hi, 
       });
     }
     const bool in = lo_in;
+    blk.mark(4);
     blk.run([&](int t) {
       visit(t, [&](double s) {
         if (s <= hi && (s > lo || (in && s == lo))) hist_add(A.hist, bins.of(s));
@@ -510,8 +522,8 @@ KDT_HD double child_score(const float* row, double s, int r, int d) {
   return sc == 0.0 ? zero_score(row, s, r, d) : sc;
 }
 
-// Budgets up to which the build expands the nodes at or above the first bound through a queue
-// (Block::expand) instead of level by level: a node's children are placed as soon as it is
+// The queue: up to kQueueMaxBudget (above), the build expands the nodes at or above the first
+// bound through a queue (Block::expand) instead of level by level: a node's children are placed as soon as it is
 // written, so a level costs one node's latency (on the H200 about 1.3k cycles: ~200 to see the
 // entry, ~200 for its run length, ~400 to allocate, ~550 to write a child) instead of a block's
 // count, scan and write (~2.6k), and no level waits for its slowest parent. The first bound
@@ -521,31 +533,21 @@ KDT_HD double child_score(const float* row, double s, int r, int d) {
 // levels, kernel alone: budget 63 0.96x at bs 64, 0.93x at bs 16, 0.89x at bs 4, 0.92x at bs 1;
 // budget 127 1.06x at bs 64 (0.95x at bs 1); budget 255 1.15x. A queue that would overflow the
 // pool stops, and the levels run.
-constexpr int kQueueMaxBudget = 63;
 // The queue's counter holds the entries allocated in 20 bits: at most the pool plus a run of at
 // most kQueueMaxBudget entries from each of up to 1024 threads.
 static_assert(kMaxPool + 1024 * kQueueMaxBudget < (1 << 20), "the queue's counter");
 
-// The first phase's work for thread t of T: the pool's root entry, hist zeroed (all nord
-// buckets: the refinements use the first kBins, the order all of them), and the exactness check
-// of the log-probs t, t + T, ... (S.flags, S.emin, S.emax; build reads the verdict after the
-// phase's barrier).
-KDT_HD void check_phase(Shared& S, const Arrays& A, const float* lp, int L, int K, int t, int T) {
-  if (t == 0) { A.p0.score[0] = 0.0; A.p0.cand[0] = 0; A.p0.key[0] = 0; }
-  for (int i = t; i < A.nord; i += T) A.hist[i] = 0;
-  int emin = 1 << 30, emax = -(1 << 30), bad = 0;
-  const int step = T % K;
-  int col = t % K;  // i's column, advanced without a division per element
-  for (int i = t; i < L * K; i += T) {  // one flat loop: few iterations per thread
-    const float x = lp[i];
-    const int c = col;
-    col += step;
-    if (col >= K) col -= K;
+// The exactness check's verdict over some log-probs: kAnomaly | kInexact, and the lowest set
+// bit and the top bit exponents of the nonzero ones (1 << 30 and -(1 << 30) when there are none).
+struct Checked {
+  int flags = 0, emin = 1 << 30, emax = -(1 << 30);
+  // One log-prob x; next: the next one in its row, when has_next (the row must not rise).
+  KDT_HD void add(float x, bool has_next, float next) {
     union { float f; uint32_t u; } v;
     v.f = x;
-    if (((v.u >> 23) & 0xFFu) == 0xFFu) { bad |= kInexact; continue; }
-    if (x > 0.0f) bad |= kAnomaly;
-    if (c + 1 < K && !(lp[i + 1] <= x)) bad |= kAnomaly;
+    if (((v.u >> 23) & 0xFFu) == 0xFFu) { flags |= kInexact; return; }
+    if (x > 0.0f) flags |= kAnomaly;
+    if (has_next && !(next <= x)) flags |= kAnomaly;
     if (x != 0.0f) {
       int lsb, top;
       float_exponents(x, lsb, top);
@@ -553,32 +555,70 @@ KDT_HD void check_phase(Shared& S, const Arrays& A, const float* lp, int L, int 
       if (top > emax) emax = top;
     }
   }
-  if (bad) atomic_or(&S.flags, bad);
-  if (emin < (1 << 30)) atomic_min_int(&S.emin, emin);
-  if (emax > -(1 << 30)) atomic_max_int(&S.emax, emax);
+  KDT_HD void merge(const Checked& o) {
+    flags |= o.flags;
+    emin = o.emin < emin ? o.emin : emin;
+    emax = o.emax > emax ? o.emax : emax;
+  }
+};
+
+// The first phase's work for thread t of T, when the caller has not done it (build's pre): the
+// pool's root entry, hist zeroed (all nord buckets: the refinements use the first kBins, the
+// order all of them), and the exactness check of the log-probs t, t + T, ... into S.flags,
+// S.emin and S.emax (build reads the verdict after the phase's barrier).
+KDT_HD void first_entries(const Arrays& A, int t, int T) {
+  if (t == 0) { A.p0.score[0] = 0.0; A.p0.cand[0] = 0; A.p0.key[0] = 0; }
+  for (int i = t; i < A.nord; i += T) A.hist[i] = 0;
+}
+KDT_HD void check_phase(Shared& S, const Arrays& A, const float* lp, int L, int K, int t, int T) {
+  first_entries(A, t, T);
+  Checked ck;
+  const int step = T % K;
+  int col = t % K;  // i's column, advanced without a division per element
+  for (int i = t; i < L * K; i += T) {  // one flat loop: few iterations per thread
+    const bool has_next = col + 1 < K;
+    ck.add(lp[i], has_next, has_next ? lp[i + 1] : 0.0f);
+    col += step;
+    if (col >= K) col -= K;
+  }
+  if (ck.flags) atomic_or(&S.flags, ck.flags);
+  if (ck.emin < (1 << 30)) atomic_min_int(&S.emin, ck.emin);
+  if (ck.emax > -(1 << 30)) atomic_max_int(&S.emax, ck.emax);
 }
 
 // Builds one request into N (node order; slot 0 the root); returns the slots used (root
-// included), or -1 when it declines the request (S.flags says why): the caller then runs the
-// serial build. lp is [L, K] (rows sorted descending). init(S) must have run.
+// included), or -1 when it declines the request (S.flags says why, unless pre): the caller then
+// runs the serial build. lp is [L, K] (rows sorted descending). init(S) must have run. pre: the
+// caller has done the first phase's work already (first_entries, A.chain and S.fmin by
+// Block::chain_sums, and the check of every log-prob: its verdict, the same in every thread),
+// and a barrier since; nullptr: the build does it.
 template <class Block>
 KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const float* lp, int L,
-                 int K, int budget, int cap) {
+                 int K, int budget, int cap, const Checked* pre = nullptr) {
   const int T = blk.threads();
   const int kc = K < budget ? K : budget;  // ranks >= budget are never selected
   // ---- 0. the exactness check, the chain sums, the first threshold ------------------------
   // chain[d] = lp[0][0] + ... + lp[d - 1][0], fmin: the family's lowest chain score (warp 0,
   // alongside the check: no barrier of its own; both are read after the check's). They are
   // used only when the check passes, when every such sum is exact.
-  blk.chain_sums(lp, L, K, kc, A.chain, &S.fmin);
-  blk.run([&](int t) { check_phase(S, A, lp, L, K, t, T); });
+  Checked ck;
+  if (pre) {
+    ck = *pre;
+  } else {
+    blk.chain_sums(lp, L, K, kc, A.chain, &S.fmin);
+    blk.run([&](int t) { check_phase(S, A, lp, L, K, t, T); });
+    ck.flags = S.flags;
+    ck.emin = S.emin;
+    ck.emax = S.emax;
+  }
   blk.mark(1);
   // The verdict, by every thread from the scalars (uniform): no phase of its own.
   {
     int lg = 0;
     while ((1 << lg) < L + 2) ++lg;
-    const bool inexact = S.emin < (1 << 30) && S.emax + lg > S.emin + 53;
-    if (S.flags || inexact) {
+    const bool inexact = ck.emin < (1 << 30) && ck.emax + lg > ck.emin + 53;
+    if (ck.flags || inexact) {
+      if (pre) return -1;
       blk.run([](int) {});  // every thread has read S.flags before thread 0 adds to it
       blk.run([&](int t) { if (t == 0 && inexact) S.flags |= kInexact; });
       return -1;
@@ -586,7 +626,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
   }
   blk.mark(2);
   const double top = (double)lp[0];  // the best score of all: depth 1, rank 0
-  const int lsb = S.emin;  // every score is a multiple of 2^lsb (Bins)
+  const int lsb = ck.emin;  // every score is a multiple of 2^lsb (Bins)
   Bound bd{0.0, false};
   bool hist_clean = true;  // hist is all zero (uniform)
   // The family: (0, ..., 0, r) at every depth; the depth-2 grid (r1, r2), 1 <= r1 < g, r2 < g,
@@ -604,7 +644,6 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
   const int ngrid = g > 1 ? (g - 1) * g : 0, next = h > 1 ? (h - 1) * h : 0;
   const int nfam = L * kc + ngrid + next * E;
   if (nfam >= budget) {
-    const int nchain = L * kc;
     // The family's lowest score: the chain deviations' (fmin) or the grid's last corner.
     double flo = unordered(S.fmin);
     if (g > 1) {
@@ -613,18 +652,32 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
     }
     hist_clean = false;
     refine(blk, A, bd, flo, top, budget, cap / 2, lsb, [&](int t, auto f) {
-      for (int i = t; i < nfam; i += T) {  // one flat loop: few iterations per thread
-        if (i < nchain) {
-          const int d = i / kc, r = i - d * kc;
+      // Thread t takes elements t, t + T, ... of each part; the chain deviations and the grid
+      // with their fast index across the warp's lanes (the depth; r1), so that a warp's scores
+      // fall in different bins (lanes adding to one bin serialise), each index stepped by T
+      // without a division.
+      {
+        const int dT = T % L, rT = T / L;
+        for (int d = t % L, r = t / L; r < kc;) {  // (0, ..., 0, r) at depth d + 1
           f(A.chain[d] + (double)lp[(size_t)d * K + r]);
-        } else if (i < nchain + ngrid) {
-          const int j = i - nchain, r1 = 1 + j / g, r2 = j - (r1 - 1) * g;
-          f((double)lp[r1] + (double)lp[(size_t)K + r2]);
-        } else {
-          const int j = i - nchain - ngrid, e = 1 + j / next, x = j - (e - 1) * next;
-          const int r1 = 1 + x / h, r2 = x - (r1 - 1) * h;
-          f(((double)lp[r1] + (double)lp[(size_t)K + r2]) + (A.chain[2 + e] - A.chain[2]));
+          d += dT;
+          r += rT;
+          if (d >= L) { d -= L; ++r; }
         }
+      }
+      if (g > 1) {
+        const int w = g - 1, aT = T % w, bT = T / w;
+        for (int a = t % w, r2 = t / w; r2 < g;) {  // (1 + a, r2)
+          f((double)lp[1 + a] + (double)lp[(size_t)K + r2]);
+          a += aT;
+          r2 += bT;
+          if (a >= w) { a -= w; ++r2; }
+        }
+      }
+      for (int j = t; j < next * E; j += T) {  // few: a division or two per thread
+        const int e = 1 + j / next, x = j - (e - 1) * next;
+        const int r1 = 1 + x / h, r2 = x - (r1 - 1) * h;
+        f(((double)lp[r1] + (double)lp[(size_t)K + r2]) + (A.chain[2 + e] - A.chain[2]));
       }
     });
   }

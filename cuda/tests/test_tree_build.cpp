@@ -139,7 +139,8 @@ std::string plan_layouts() {
   namespace par = kdt::tree::par;
   struct Want { size_t limit; int budget, cap; bool twin; int nord; };
   const size_t h200 = 232448 - 1024, sm120 = 100352;  // opt-in bytes less the static kilobyte
-  const Want wants[] = {{h200, 63, 256, true, 1024},     {h200, 511, 2048, true, 1024},
+  const Want wants[] = {{h200, 63, 512, true, 1024},     {h200, 255, 1024, true, 1024},
+                        {sm120, 63, 512, true, 1024},    {h200, 511, 2048, true, 1024},
                         {h200, 1023, 3072, true, 4096},  {h200, 1024, 3072, true, 4096},
                         {sm120, 767, 1536, true, 1024},  {sm120, 1023, 2304, false, 1024},
                         {sm120, 1024, 2304, false, 1024}};
