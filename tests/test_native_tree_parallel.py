@@ -138,15 +138,15 @@ def test_parallel_strict_detects_a_child_above_its_parent(monkeypatch):
 
 
 def _queue_overflow_inputs(bs, scale):
-    """Budget 63 (a pool of 256): rank-0 steps of -2^-20 and deviations of about -1, so that
-    the first bound (the 63rd best of the chain's one-step deviations and the depth-2 grid) keeps
-    each of its deviations' rank-0 descendants too: about 300 nodes at or above it, more than the
-    pool. The queue overflows and gives way to the levels, whose refinements fit the pool; no
-    two paths tie. scale (a power of two) keeps every sum exact."""
-    L, K = 16, 63
+    """Budget 63 (a pool of 512): rank-0 steps of -2^-20 and deviations of about -1 over 32
+    depths, so that the first bound (the 63rd best of the chain's one-step deviations and the
+    depth-2 grid) keeps each of its deviations' rank-0 descendants too: at least 540 nodes at or
+    above it, more than the pool. The queue overflows and gives way to the levels, whose
+    refinements fit the pool; no two paths tie. scale (a power of two) keeps every sum exact."""
+    L, K = 32, 63
     d = np.arange(1, L + 1)[:, None]
     lp = np.concatenate([np.full((L, 1), -2.0 ** -20),
-                         -1.0 - np.arange(1, K)[None, :] / 64.0 - d / 1024.0], axis=1) * scale
+                         -1.0 - np.arange(1, K)[None, :] / 64.0 - d / 4096.0], axis=1) * scale
     lp = np.ascontiguousarray(np.broadcast_to(lp, (bs, L, K)), dtype=np.float32)
     ids = np.broadcast_to(np.arange(K, dtype=np.int64), (bs, L, K)).copy()
     return lp, ids, np.arange(bs, dtype=np.int64), np.full(bs, 7, np.int64)
@@ -155,8 +155,8 @@ def _queue_overflow_inputs(bs, scale):
 @pytest.mark.parametrize("scale", [1.0, 2.0 ** -40, 2.0 ** 40])
 def test_parallel_cpu_strict_queue_overflow(monkeypatch, scale):
     # The queue (budgets <= 63) overflows the pool on these inputs (checked with a probe when
-    # written: it stops at 257 entries); the levels must then build the tree from the same
-    # bound, without the serial fallback (strict).
+    # written: at every scale it stops at 513 entries of 512); the levels must then build the
+    # tree from the same bound, without the serial fallback (strict).
     monkeypatch.setenv("KDT_TREE_BUILD", "parallel-strict")
     args = _queue_overflow_inputs(2, scale)
     assert_same(native().build_tree(*args[:2], 63, *args[2:]),
