@@ -523,10 +523,11 @@ KDT_HD double child_score(const float* row, double s, int r, int d) {
 }
 
 // The queue: up to kQueueMaxBudget (above), the build expands the nodes at or above the first
-// bound through a queue (Block::expand) instead of level by level: a node's children are placed as soon as it is
-// written, so a level costs one node's latency (on the H200 about 1.3k cycles: ~200 to see the
-// entry, ~200 for its run length, ~400 to allocate, ~550 to write a child) instead of a block's
-// count, scan and write (~2.6k), and no level waits for its slowest parent. The first bound
+// bound through a queue (Block::expand) instead of level by level: a node's children are
+// placed as soon as it is written, so a level costs one node's latency (on the H200 about 1.3k
+// cycles: ~200 to see the entry, ~200 for its run length, ~400 to allocate, ~550 to write a
+// child) instead of a block's count, scan and write (~2.6k), and no level waits for its slowest
+// parent. The first bound
 // leaves few nodes above it at small budgets (bench inputs, 64 requests: 79 at budget 63, at
 // most 162) and more at larger ones (428 at 255, at most 1460; 3675 at 1023), where the levels'
 // refinements keep the pool and the order's buckets small. H200, bench.tree_ab against the
