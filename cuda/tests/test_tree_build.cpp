@@ -240,6 +240,23 @@ std::string count_exact(uint64_t seed) {
   return "";
 }
 
+// One request of one depth, K ranks 1/16 apart and budget K, except that rank p + 1 sits 1/32
+// above rank p: the only rise. The reference pops rank p + 1 right after its generator p; a build that
+// ranked by score alone would put it first, so the parallel build must decline the request. The
+// staged CUDA kernel checks each log-prob against the next one as it stages them, a warp 256 a
+// round: the next value is a neighbour lane's, lane 0's next or an extra load by lane 31, so the
+// rises sit at each kind of seam (31 | 32, 255 | 256, 1022 | 1023) and between.
+constexpr int kRises[] = {0, 1, 30, 31, 32, 63, 254, 255, 256, 287, 511, 767, 1022};
+BuildIn one_rise(int p, int K) {
+  BuildIn in{1, 1, K, K, std::vector<float>(K), std::vector<int64_t>(K), {5}, {9}};
+  for (int r = 0; r < K; ++r) {
+    in.lp[r] = -(float)(r + 1) / 16.0f;
+    in.ids[r] = r;
+  }
+  in.lp[p + 1] = in.lp[p] + 1.0f / 32.0f;
+  return in;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -279,6 +296,45 @@ int main(int argc, char** argv) {
       BuildOut out;
       if (kdt_status s = build_cuda(in, &out)) return status_message(s, "kdt_tree_build(cuda)");
       return same_build(out, ref);
+    });
+  }
+
+  // A rise anywhere in a row: the CPU emulation refuses it strictly, and CUDA's parallel build
+  // (its check on the staged values) must give the serial build's tree.
+  h.run("rise_anywhere/cpu_parallel_strict_declines", [&] {
+    for (int p : kRises) {
+      const BuildIn in = one_rise(p, 1024);
+      BuildOut o;
+      setenv("KDT_TREE_BUILD", "parallel-strict", 1);
+      const kdt_status s = build_cpu(in, &o);
+      unsetenv("KDT_TREE_BUILD");
+      if (s != KDT_ERR_INTERNAL)
+        return "rise at " + std::to_string(p) + ": status " + std::to_string((int)s) +
+               ", expected the strict refusal (KDT_ERR_INTERNAL)";
+    }
+    return std::string();
+  });
+  if (!no_cuda.empty()) {
+    h.skip("rise_anywhere/cuda_parallel_vs_serial", no_cuda);
+  } else {
+    h.run("rise_anywhere/cuda_parallel_vs_serial", [&] {
+      for (int p : kRises) {
+        for (int budget : {1024, 300}) {
+          if (p + 1 >= budget) continue;
+          const BuildIn in = one_rise(p, budget);
+          BuildOut a, b;
+          setenv("KDT_TREE_BUILD", "serial", 1);
+          if (kdt_status s = build_cpu(in, &a)) return status_message(s, "kdt_tree_build(cpu)");
+          setenv("KDT_TREE_BUILD", "parallel", 1);
+          const kdt_status s = build_cuda(in, &b);
+          unsetenv("KDT_TREE_BUILD");
+          if (s) return status_message(s, "kdt_tree_build(cuda)");
+          const std::string e = same_build(b, a);
+          if (!e.empty())
+            return "rise at " + std::to_string(p) + ", budget " + std::to_string(budget) + ": " + e;
+        }
+      }
+      return std::string();
     });
   }
 
