@@ -563,14 +563,15 @@ struct Checked {
   }
 };
 
-// The first phase's work for thread t of T, when the caller has not done it (build's pre): the
-// pool's root entry, hist zeroed (all nord buckets: the refinements use the first kBins, the
-// order all of them), and the exactness check of the log-probs t, t + T, ... into S.flags,
-// S.emin and S.emax (build reads the verdict after the phase's barrier).
+// Thread t of T's share of the entries every build starts from: the pool's root entry, and hist
+// zeroed (all nord buckets: the refinements use the first kBins, the order all of them).
 KDT_HD void first_entries(const Arrays& A, int t, int T) {
   if (t == 0) { A.p0.score[0] = 0.0; A.p0.cand[0] = 0; A.p0.key[0] = 0; }
   for (int i = t; i < A.nord; i += T) A.hist[i] = 0;
 }
+// The first phase's work for thread t of T, when the caller has not done it (build's pre): its
+// first entries, and the exactness check of the log-probs t, t + T, ... into S.flags, S.emin
+// and S.emax (build reads the verdict after the phase's barrier).
 KDT_HD void check_phase(Shared& S, const Arrays& A, const float* lp, int L, int K, int t, int T) {
   first_entries(A, t, T);
   Checked ck;
