@@ -6,6 +6,9 @@
 #
 # --define adds a preprocessor definition to every library source (development switches, e.g.
 # KDT_PAR_PROFILE for the parallel tree build's cycle probes: bench/tree_profile.py).
+# Compiles go through ccache when it is on PATH (KDT_CCACHE=0: never), from the repository root
+# with the paths below it made relative (CCACHE_BASEDIR), so that clones of the same sources in
+# different folders share cached objects (the test suite builds many such clones).
 # Needs only g++ (and nvcc for a CUDA arch): no cmake. With --generator cmake (or auto when
 # cmake and nvcc are present and cuda/CMakeLists.txt exists) the same build goes through CMake.
 # Every compile and link line is recorded in DIR/build_info.json (and DIR/compile_commands.txt)
@@ -83,7 +86,7 @@ if [ "$generator" = cmake ]; then
 fi
 [ "$generator" = direct ] || { echo "error: build: --generator must be auto, direct or cmake" >&2; exit 5; }
 
-mkdir -p "$out/obj"
+mkdir -p "$out/obj/prog"
 out=$(cd "$out" && pwd)
 log="$out/compile_commands.txt"
 : >"$log"
@@ -120,9 +123,21 @@ if [ "$use_cuda" = 1 ]; then
   done
 fi
 printf '%s\n' "${cmds[@]}" >>"$log"
-echo "build: compiling ${#cmds[@]} sources for --arch $arch with $jobs jobs"
-printf '%s\n' "${cmds[@]}" | xargs -d '\n' -P "$jobs" -I{} bash -c '{} || { echo "error: build: failed: {}" >&2; exit 255; }' \
-  || die "compilation failed (the failing command is printed above)"
+launcher=""
+if [ "${KDT_CCACHE:-1}" != 0 ] && command -v ccache >/dev/null 2>&1; then
+  launcher=ccache
+  export CCACHE_BASEDIR; CCACHE_BASEDIR=$(cd "$here/.." && pwd)
+  export CCACHE_NOHASHDIR=true
+fi
+# run_all PREFIX CMD...: the commands, $jobs at a time from the repository root, each prefixed
+# with PREFIX (the launcher, or nothing); false when one fails (it is printed).
+run_all() {
+  local prefix=$1; shift
+  (cd "$here/.." && printf '%s\n' "$@" \
+    | xargs -d '\n' -P "$jobs" -I{} bash -c "$prefix"' {} || { echo "error: build: failed: {}" >&2; exit 255; }')
+}
+echo "build: compiling ${#cmds[@]} sources for --arch $arch with $jobs jobs${launcher:+ (through $launcher)}"
+run_all "$launcher" "${cmds[@]}" || die "compilation failed (the failing command is printed above)"
 
 # ---- link the library ----------------------------------------------------------------------
 if [ "$use_cuda" = 1 ]; then
@@ -134,24 +149,28 @@ echo "$link" >>"$log"
 $link || die "linking libkdtree.so failed"
 
 # ---- programs: native tests (cuda/tests/*.cpp) and the benchmark (cuda/bench/*.cpp) -------
+# Each compiled to an object (through the launcher), then linked.
 prog_cmds=()
+link_cmds=()
 for src in "$here"/tests/*.cpp "$here"/bench/*.cpp; do
   [ -e "$src" ] || continue
   case "$(basename "$src")" in _*) continue ;; esac   # _*.cpp: shared helpers, included
   prog="$out/$(basename "${src%.cpp}")"
-  prog_cmds+=("g++ ${cxxflags[*]} -I$here/tests $src -o $prog -L$out -lkdtree -Wl,-rpath,\\\$ORIGIN")
+  prog_cmds+=("g++ ${cxxflags[*]} -I$here/tests -c $src -o $out/obj/prog/$(basename "$src").o")
+  link_cmds+=("g++ ${opt[*]} $out/obj/prog/$(basename "$src").o -o $prog -L$out -lkdtree -Wl,-rpath,\\\$ORIGIN")
 done
-printf '%s\n' "${prog_cmds[@]}" >>"$log"
+printf '%s\n' "${prog_cmds[@]}" "${link_cmds[@]}" >>"$log"
 if [ ${#prog_cmds[@]} -gt 0 ]; then
-  printf '%s\n' "${prog_cmds[@]}" | xargs -d '\n' -P "$jobs" -I{} bash -c '{} || { echo "error: build: failed: {}" >&2; exit 255; }' \
+  { run_all "$launcher" "${prog_cmds[@]}" && run_all "" "${link_cmds[@]}"; } \
     || die "building the test or benchmark programs failed"
 fi
 
 # ---- record what was built and how -------------------------------------------------------------
 nvcc_version=$(command -v nvcc >/dev/null 2>&1 && nvcc --version | tail -n 2 | tr '\n' ' ' || echo "")
-python3 - "$out" "$arch" "$use_cuda" "$nvcc_version" "$log" <<'PY'
+launcher_version=$([ -n "$launcher" ] && "$launcher" --version | head -n 1 || echo "")
+python3 - "$out" "$arch" "$use_cuda" "$nvcc_version" "$log" "$launcher_version" <<'PY'
 import json, subprocess, sys, datetime
-out, arch, use_cuda, nvcc, log = sys.argv[1:]
+out, arch, use_cuda, nvcc, log, launcher = sys.argv[1:]
 gxx = subprocess.run(["g++", "--version"], capture_output=True, text=True).stdout.splitlines()[0]
 info = {
     "arch": arch,
@@ -159,6 +178,7 @@ info = {
     "generator": "direct",
     "nvcc": nvcc.strip() or None,
     "cxx": gxx,
+    "launcher": launcher.strip() or None,  # the compiles' cache (ccache), else None
     "commands": [l for l in open(log).read().splitlines() if l.strip()],
     "built": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
 }
