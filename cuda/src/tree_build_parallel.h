@@ -102,10 +102,6 @@ KDT_HD int pool_capacity(int budget) {
 // (Bins), and were measured with them (see Bins).
 KDT_HD int order_bins(int cap) { return cap > 2048 ? 4 * kOrderBins : kOrderBins; }
 
-// The first bound's family takes the chain deviations of ranks below this followed by one or
-// two rank-0 steps (build, section 0).
-constexpr int kStepRanks = 8;
-
 // A level whose refinement leaves more than cap / kCompactShare entries below the new bound
 // compacts the pool at once when a next level as large as it would overflow (see build).
 constexpr int kCompactShare = 4;
@@ -641,23 +637,14 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
   // depth >= 3 and r1 >= 1, unlike every chain deviation) whose scores are sums of known
   // values. The extensions bring deeper nodes in, where most of a large budget's best nodes
   // lie: on the CPU emulation (100 bench inputs, budget 1023) the first bound's median gap to
-  // the B-th best falls from 2.0 to 1.2 and the pool overflows 57 times instead of 122. And the
-  // chain deviations of ranks 1..kStepRanks - 1 below the first depth followed by one or two
-  // rank-0 steps, (0, ..., 0, r, 0) and (0, ..., 0, r, 0, 0) (distinct again: depth >= 3, rank 0
-  // at depth 1, ending in 0): deep nodes for the small budgets' queue, whose levels follow the
-  // pool's deepest path. Bench inputs at budget 63, bs 64, on the CPU emulation: the queue's
-  // pool holds 75 nodes at the median instead of 85 (114 at most instead of 165), for 175 more
-  // scores binned; its deepest path stays 9 at most (a Python replica of the family, without
-  // the bins' rounding of the bound, gives 7, the B-th best's own).
+  // the B-th best falls from 2.0 to 1.2 and the pool overflows 57 times instead of 122.
   int g = 0;
   if (L >= 2) {
     while (g < kc && g * g < 2 * budget) ++g;
   }
   const int h = (g + 1) / 2, E = L - 2 < 3 ? (L > 2 ? L - 2 : 0) : 3;
   const int ngrid = g > 1 ? (g - 1) * g : 0, next = h > 1 ? (h - 1) * h : 0;
-  const int rs = (kc < kStepRanks ? kc : kStepRanks) - 1;  // ranks 1..rs, depths 2..L - e
-  const int ns = L > 3 ? (2 * L - 5) * rs : (L > 2 ? rs : 0);
-  const int nfam = L * kc + ngrid + next * E + ns;
+  const int nfam = L * kc + ngrid + next * E;
   if (nfam >= budget) {
     // The family's lowest score: the chain deviations' (fmin) or the grid's last corner.
     double flo = unordered(S.fmin);
@@ -693,18 +680,6 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
         const int e = 1 + j / next, x = j - (e - 1) * next;
         const int r1 = 1 + x / h, r2 = x - (r1 - 1) * h;
         f(((double)lp[r1] + (double)lp[(size_t)K + r2]) + (A.chain[2 + e] - A.chain[2]));
-      }
-      for (int e = 1; e <= 2 && rs > 0; ++e) {  // the deviation at depth 2 + a, then e steps
-        const int nd = L - 1 - e;
-        if (nd <= 0) break;
-        const int aT = T % nd, rT = T / nd;
-        for (int a = t % nd, r = t / nd; r < rs;) {  // the depth as the fast index
-          f((A.chain[1 + a] + (double)lp[(size_t)(1 + a) * K + 1 + r]) +
-            (A.chain[2 + a + e] - A.chain[2 + a]));
-          a += aT;
-          r += rT;
-          if (a >= nd) { a -= nd; ++r; }
-        }
       }
     });
   }
