@@ -558,7 +558,7 @@ __global__ void tree_build_parallel_kernel(TreeBuildArgs a, int cap, int twin, i
       chk[1][threadIdx.x >> 5] = ck.emin;
       chk[2][threadIdx.x >> 5] = ck.emax;
     }
-    blk.chain_sums(lp, a.L, K, min(K, a.budget), chain, &S.fmin);
+    blk.chain_sums(lp, a.L, K, tree::par::family_ranks(K, a.budget), chain, &S.fmin);
     lp = staged;
   }
   __syncthreads();
@@ -588,7 +588,8 @@ __global__ void tree_build_parallel_kernel(TreeBuildArgs a, int cap, int twin, i
     if (threadIdx.x == 0) tree::par::init(S);
     if (kStaged) tree::par::first_entries(A, threadIdx.x, blockDim.x);
     __syncthreads();
-    if (kStaged) blk.chain_sums(lp, a.L, a.K, min(a.K, a.budget), chain, &S.fmin);
+    if (kStaged)
+      blk.chain_sums(lp, a.L, a.K, tree::par::family_ranks(a.K, a.budget), chain, &S.fmin);
     __syncthreads();
     blk.nmark = 0;
     blk.t0 = clock64();

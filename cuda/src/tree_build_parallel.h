@@ -102,6 +102,20 @@ KDT_HD int pool_capacity(int budget) {
 // (Bins), and were measured with them (see Bins).
 KDT_HD int order_bins(int cap) { return cap > 2048 ? 4 * kOrderBins : kOrderBins; }
 
+// Ranks of the first bound's chain deviations, (0, ..., 0, r) for r < family_ranks (build,
+// section 0): every rank a budget can select, except that the queue's budgets take 32 at most.
+// The family's B-th best sits among its best members, so the deviations of high rank rarely
+// move it, and they are most of the family (945 of 1167 scores at budget 63, L = 15, K = 64):
+// with 32, 702 scores are binned (bins over a narrower range, too), and on bench inputs at
+// budget 63, bs 64, the queue's pool keeps 85 nodes at the median (CPU emulation; the largest of
+// the 64 grows from 165 nodes to 199). Larger budgets keep every rank: at budget 255 a cap of
+// 32 grows the pool's median from 428 nodes to 508 (a Python replica of the family).
+constexpr int kFamilyRanksQueue = 32;
+KDT_HD int family_ranks(int K, int budget) {
+  const int kc = K < budget ? K : budget;
+  return budget <= kQueueMaxBudget && kc > kFamilyRanksQueue ? kFamilyRanksQueue : kc;
+}
+
 // A level whose refinement leaves more than cap / kCompactShare entries below the new bound
 // compacts the pool at once when a next level as large as it would overflow (see build).
 constexpr int kCompactShare = 4;
@@ -599,6 +613,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
                  int K, int budget, int cap, const Checked* pre = nullptr) {
   const int T = blk.threads();
   const int kc = K < budget ? K : budget;  // ranks >= budget are never selected
+  const int kf = family_ranks(K, budget);  // the chain deviations' ranks in the family
   // ---- 0. the exactness check, the chain sums, the first threshold ------------------------
   // chain[d] = lp[0][0] + ... + lp[d - 1][0], fmin: the family's lowest chain score (warp 0,
   // alongside the check: no barrier of its own; both are read after the check's). They are
@@ -607,7 +622,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
   if (pre) {
     ck = *pre;
   } else {
-    blk.chain_sums(lp, L, K, kc, A.chain, &S.fmin);
+    blk.chain_sums(lp, L, K, kf, A.chain, &S.fmin);
     blk.run([&](int t) { check_phase(S, A, lp, L, K, t, T); });
     ck.flags = S.flags;
     ck.emin = S.emin;
@@ -644,7 +659,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
   }
   const int h = (g + 1) / 2, E = L - 2 < 3 ? (L > 2 ? L - 2 : 0) : 3;
   const int ngrid = g > 1 ? (g - 1) * g : 0, next = h > 1 ? (h - 1) * h : 0;
-  const int nfam = L * kc + ngrid + next * E;
+  const int nfam = L * kf + ngrid + next * E;
   if (nfam >= budget) {
     // The family's lowest score: the chain deviations' (fmin) or the grid's last corner.
     double flo = unordered(S.fmin);
@@ -660,7 +675,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
       // without a division.
       {
         const int dT = T % L, rT = T / L;
-        for (int d = t % L, r = t / L; r < kc;) {  // (0, ..., 0, r) at depth d + 1
+        for (int d = t % L, r = t / L; r < kf;) {  // (0, ..., 0, r) at depth d + 1
           f(A.chain[d] + (double)lp[(size_t)d * K + r]);
           d += dT;
           r += rT;
