@@ -109,7 +109,9 @@ KDT_HD int order_bins(int cap) { return cap > 2048 ? 4 * kOrderBins : kOrderBins
 // with 32, 702 scores are binned (bins over a narrower range, too), and on bench inputs at
 // budget 63, bs 64, the queue's pool keeps 85 nodes at the median (CPU emulation; the largest of
 // the 64 grows from 165 nodes to 199). Larger budgets keep every rank: at budget 255 a cap of
-// 32 grows the pool's median from 428 nodes to 508 (a Python replica of the family).
+// 32 grows the pool's median from 428 nodes to 508 (a Python replica of the family). H200,
+// bench.tree_ab against every rank, kernel alone: budget 63 0.98-0.99x at bs 1, 4, 16, 64, 256
+// and 1024; budget 47 0.99-1.00x. (The opposite, 175 more deep members, cost 1.01-1.24x.)
 constexpr int kFamilyRanksQueue = 32;
 KDT_HD int family_ranks(int K, int budget) {
   const int kc = K < budget ? K : budget;
@@ -646,7 +648,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
   const int lsb = ck.emin;  // every score is a multiple of 2^lsb (Bins)
   Bound bd{0.0, false};
   bool hist_clean = true;  // hist is all zero (uniform)
-  // The family: (0, ..., 0, r) at every depth; the depth-2 grid (r1, r2), 1 <= r1 < g, r2 < g,
+  // The family: (0, ..., 0, r) at every depth, r < family_ranks; the depth-2 grid (r1, r2), 1 <= r1 < g, r2 < g,
   // g ~ sqrt(2 B); and the grid's corner r1 < h, r2 < h, h = (g + 1) / 2, extended by e = 1..E
   // rank-0 steps, (r1, r2, 0, ..., 0) (E = min(3, L - 2)): distinct nodes (an extension has
   // depth >= 3 and r1 >= 1, unlike every chain deviation) whose scores are sums of known
