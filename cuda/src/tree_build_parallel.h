@@ -648,13 +648,14 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
   const int lsb = ck.emin;  // every score is a multiple of 2^lsb (Bins)
   Bound bd{0.0, false};
   bool hist_clean = true;  // hist is all zero (uniform)
-  // The family: (0, ..., 0, r) at every depth, r < family_ranks; the depth-2 grid (r1, r2), 1 <= r1 < g, r2 < g,
-  // g ~ sqrt(2 B); and the grid's corner r1 < h, r2 < h, h = (g + 1) / 2, extended by e = 1..E
-  // rank-0 steps, (r1, r2, 0, ..., 0) (E = min(3, L - 2)): distinct nodes (an extension has
-  // depth >= 3 and r1 >= 1, unlike every chain deviation) whose scores are sums of known
-  // values. The extensions bring deeper nodes in, where most of a large budget's best nodes
-  // lie: on the CPU emulation (100 bench inputs, budget 1023) the first bound's median gap to
-  // the B-th best falls from 2.0 to 1.2 and the pool overflows 57 times instead of 122.
+  // The family: (0, ..., 0, r) at every depth, r < family_ranks; the depth-2 grid (r1, r2),
+  // 1 <= r1 < g, r2 < g, g ~ sqrt(2 B); and the grid's corner r1 < h, r2 < h, h = (g + 1) / 2,
+  // extended by e = 1..E rank-0 steps, (r1, r2, 0, ..., 0) (E = min(3, L - 2)): distinct nodes
+  // (an extension has depth >= 3 and r1 >= 1, unlike every chain deviation) whose scores are
+  // sums of known values. The extensions bring deeper nodes in, where most of a large budget's
+  // best nodes lie: on the CPU emulation (100 bench inputs, budget 1023) the first bound's
+  // median gap to the B-th best falls from 2.0 to 1.2 and the pool overflows 57 times instead
+  // of 122.
   int g = 0;
   if (L >= 2) {
     while (g < kc && g * g < 2 * budget) ++g;
