@@ -299,69 +299,73 @@ struct GpuBlock {
     }
     return base;
   }
-  // The queue (tree_build_parallel.h, section 1'): entries [1, n0) are written; entry i >= 1
-  // is ready once flag[i] (its cand) is nonzero. Expanding it allocates len(i) entries at the
-  // end of the pool for its run, and put(i, e, r) writes rank r into entry e (score and key)
-  // and returns its cand, stored after a fence. Thread t owns entries 1 + t, 1 + t + T, ... and
-  // takes each as soon as it is ready; a warp allocates its ready entries' runs with one atomic
-  // on *work = allocated << 12 | expanded (expanded <= cap < 4096: an entry counts as expanded
-  // by the atomic that allocates its run, so "expanded == allocated" in one load means every
-  // entry is expanded and written), and writes them flattened, a child a lane (an element's run
-  // by a binary search over the lanes' offsets). Returns the entries allocated, or -1 when they
-  // would pass cap (the pool is then incomplete). Every thread calls it; it ends with a barrier.
+  // The queue (tree_build_parallel.h, section 1'): entries [1, n0) are written (the root's
+  // run). Warp w of W takes the w-th of W equal shares of them as its first batch, then, batch
+  // by batch, the children it wrote itself: a batch's run lengths (len(i)), one atomic on *work
+  // (the entries allocated) for all its runs, placed contiguously there in batch order, and the
+  // children written flattened, a child a lane (put(i, e, r) writes rank r of entry i into entry
+  // e, score and key, and returns its cand, stored here). No entry passes between warps, so no
+  // entry waits on a ready flag or a fence: a __syncwarp orders a batch's writes before the next
+  // batch reads them. A batch of at most 32 entries keeps its lengths and offsets in registers
+  // (a lane each; the children's runs found by a binary search over the lanes' offsets); a
+  // larger one writes its offsets to off[i] and searches them there. Returns the entries
+  // allocated, or -1 when they would pass cap (the pool is then incomplete). *work must hold n0
+  // (written before a barrier). Every thread calls it; it ends with a barrier.
   template <class Len, class Put>
-  __device__ int expand(unsigned* work, uint32_t* flag, int n0, int cap, Len len, Put put) {
-    const int lane = threadIdx.x & 31;
-    if (threadIdx.x == 0) *work = ((unsigned)n0 << 12) | 1u;
-    __syncthreads();
-    volatile unsigned* vw = work;
-    volatile uint32_t* vf = flag;
-    int i = 1 + threadIdx.x;
-    for (;;) {
-      // The counter and this thread's next entry in one round trip (an entry past the pool
-      // reads the last one: it is never allocated without an overflow, which ends the loop).
-      const unsigned w = *vw;
-      const uint32_t f = vf[i < cap ? i : cap - 1];
-      const int a = (int)(w >> 12), p = (int)(w & 0xFFFu);
-      // Both are global facts (all expanded, or the pool overflowed): any lane may end the warp.
-      if (__any_sync(kFull, p == a || a > cap)) break;
-      const bool have = i < a && f != 0u;
-      const unsigned hm = __ballot_sync(kFull, have);
-      if (!hm) continue;
-      int c = 0;
-      if (have) {
-        tree::par::block_fence();  // the entry's score and key after its cand
-        c = len(i);
-      }
-      // The warp's runs in one atomic (its total by a reduction, so that the atomic need not
-      // wait for the scan that places the runs).
-      const unsigned total = __reduce_add_sync(kFull, (unsigned)c);
-      unsigned old = 0;
-      if (lane == 0) old = atomicAdd(work, (total << 12) | (unsigned)__popc(hm));
-      const int excl = warp_inclusive(c, lane) - c;
-      const int base = (int)(__shfl_sync(kFull, old, 0) >> 12);
-      __syncwarp();  // the lanes' reads of the ready entries are ordered before the puts
-      if (base + (int)total <= cap) {
-        for (int k0 = 0; k0 < (int)total; k0 += 32) {
+  __device__ int expand(unsigned* work, uint32_t* cand, int* off, int n0, int cap, Len len,
+                        Put put) {
+    const int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    const int share = (n0 - 1 + nw - 1) / nw;  // of the root's run, a warp's first batch
+    int lo = 1 + (threadIdx.x >> 5) * share, hi = min(n0, lo + share);  // the batch: [lo, hi)
+    while (lo < hi) {
+      const int m = hi - lo;
+      int total, base;
+      if (m <= 32) {
+        const int i = lo + lane;
+        const int c = lane < m ? len(i) : 0;
+        const int incl = warp_inclusive(c, lane), excl = incl - c;
+        total = __shfl_sync(kFull, incl, 31);
+        unsigned old = 0;
+        if (lane == 0 && total) old = atomicAdd(work, (unsigned)total);
+        base = (int)__shfl_sync(kFull, old, 0);
+        if (total == 0 || base + total > cap) break;
+        for (int k0 = 0; k0 < total; k0 += 32) {
           const int k = k0 + lane;
           int q = 0;  // the last lane whose run starts at or before k
 #pragma unroll
-          for (int step = 16; step > 0; step >>= 1) {
-            const int x = __shfl_sync(kFull, excl, q + step);
-            if (x <= k) q += step;
+          for (int st = 16; st > 0; st >>= 1) {
+            const int x = __shfl_sync(kFull, excl, q + st);
+            if (x <= k) q += st;
           }
           const int qi = __shfl_sync(kFull, i, q), qx = __shfl_sync(kFull, excl, q);
-          if (k < (int)total) {
-            const uint32_t cd = put(qi, base + k, k - qx);
-            tree::par::block_fence();
-            vf[base + k] = cd;
-          }
+          if (k < total) cand[base + k] = put(qi, base + k, k - qx);
+        }
+      } else {
+        int run = 0;
+        for (int j0 = 0; j0 < m; j0 += 32) {
+          const int j = j0 + lane;
+          const int c = j < m ? len(lo + j) : 0;
+          const int incl = warp_inclusive(c, lane);
+          if (j < m) off[lo + j] = run + incl - c;
+          run += __shfl_sync(kFull, incl, 31);
+        }
+        total = run;
+        unsigned old = 0;
+        if (lane == 0 && total) old = atomicAdd(work, (unsigned)total);
+        base = (int)__shfl_sync(kFull, old, 0);
+        if (total == 0 || base + total > cap) break;
+        __syncwarp();  // the offsets are visible to every lane
+        for (int k = lane; k < total; k += 32) {
+          const int i = tree::par::last_pass(lo, hi, [&](int x) { return off[x] <= k; });
+          cand[base + k] = put(i, base + k, k - off[i]);
         }
       }
-      if (have) i += blockDim.x;
+      __syncwarp();  // the children are visible to every lane: the next batch
+      lo = base;
+      hi = base + total;
     }
     __syncthreads();
-    const int a = (int)(*work >> 12);
+    const int a = (int)*work;
     return a > cap ? -1 : a;
   }
   // Profiling probe (development builds with -DKDT_PAR_PROFILE): thread 0 of every block

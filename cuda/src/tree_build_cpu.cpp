@@ -67,13 +67,13 @@ struct CpuBlock {
   // The queue in order: entry i expanded after entries 1 .. i - 1 (a breadth-first order; the
   // CUDA block's order depends on its schedule, and the build does not depend on it).
   template <class Len, class Put>
-  KDT_HD int expand(unsigned*, uint32_t* flag, int n0, int cap, Len len, Put put) {
+  KDT_HD int expand(unsigned*, uint32_t* cand, int*, int n0, int cap, Len len, Put put) {
     int a = n0;
 #if !defined(__CUDA_ARCH__)
     for (int i = 1; i < a; ++i) {
       const int c = len(i);
       if (a + c > cap) return -1;
-      for (int r = 0; r < c; ++r) flag[a + r] = put(i, a + r, r);
+      for (int r = 0; r < c; ++r) cand[a + r] = put(i, a + r, r);
       a += c;
     }
 #endif

@@ -270,7 +270,7 @@ struct Shared {
   unsigned long long fmin;  // ordered minimum of the first threshold's family
   unsigned long long pmin;  // ordered minimum of the pool's scores (before t exists)
   unsigned long long rmin;  // ordered minimum of a level's run tails (before t exists)
-  unsigned work;            // the queue (Block::expand): entries allocated << 12 | expanded
+  unsigned work;            // the queue (Block::expand): entries allocated
 };
 
 // One copy of the pool (compaction writes the other one).
@@ -704,11 +704,10 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
   blk.mark(3);
   int c = 0, lb = 0, le = 1, kept = 0;
   // ---- 1'. the queue: every node at or above t, expanded as soon as it is written ----------
-  // The root's run by the block (cand of every later entry zeroed: an entry is ready once its
-  // cand is nonzero), then Block::expand: each entry's run length, its run allocated at the end
-  // of the pool, its children written (score and key, a fence, then cand). The pool then holds
-  // exactly the nodes at or above t (scores fall along a path), in an order that depends on the
-  // schedule; nothing below depends on that order (a run stays contiguous).
+  // The root's run by the block, then Block::expand: each entry's run length, its run allocated
+  // at the end of the pool, its children written. The pool then holds exactly the nodes at or
+  // above t (scores fall along a path), in an order that depends on the schedule; nothing below
+  // depends on that order (a run stays contiguous).
   bool queued = false;
   if (bd.has && budget <= kQueueMaxBudget) {
     const Pool P = A.pool(0);
@@ -725,11 +724,11 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
     const int c1 = top >= tt ? count_at_least(lp, kc, 0.0, tt) : 0;
     blk.run([&](int t) {
       for (int k = t; k < c1; k += T) P.cand[1 + k] = put(0, 1 + k, k);
-      for (int e = 1 + c1 + t; e < cap; e += T) P.cand[e] = 0;
+      if (t == 0) S.work = (unsigned)(1 + c1);
     });
     blk.mark(6);
     const int n = blk.expand(
-        &S.work, P.cand, 1 + c1, cap,
+        &S.work, P.cand, A.cnt, 1 + c1, cap,
         [&](int i) {
           const int d = cand_depth(P.cand[i]);
           if (d >= L) return 0;
