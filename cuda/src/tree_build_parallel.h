@@ -23,9 +23,9 @@
 //      the grid's corner extended by up to three rank-0 steps; the family's B-th best is <= the
 //      tree's B-th best.
 //   1'. Up to budget kQueueMaxBudget, the nodes at or above t go through a queue instead: the
-//      root's run by the block, then each entry, once written, gets its run (the same count)
-//      at the end of the pool, written a child a lane by its warp (Block::expand). A queue
-//      that would overflow the pool gives way to the levels.
+//      root's run by the block, then each warp expands a share of it and, batch by batch, the
+//      children it wrote itself, each entry's run (the same count) placed at the end of the pool
+//      (Block::expand). A queue that would overflow the pool gives way to the levels.
 //   1. Level by level, each kept node of the previous level gets a run of children, ranks
 //      0..c-1 with s(parent) + lp[d][r] >= t (c by a 4-ary search, last_pass: scores fall
 //      along a row), placed by a block scan of the lengths (runs in parent order), then
@@ -539,20 +539,21 @@ KDT_HD double child_score(const float* row, double s, int r, int d) {
 }
 
 // The queue: up to kQueueMaxBudget (above), the build expands the nodes at or above the first
-// bound through a queue (Block::expand) instead of level by level: a node's children are
-// placed as soon as it is written, so a level costs one node's latency (on the H200 about 1.3k
-// cycles: ~200 to see the entry, ~200 for its run length, ~400 to allocate, ~550 to write a
-// child) instead of a block's count, scan and write (~2.6k), and no level waits for its slowest
-// parent. The first bound
-// leaves few nodes above it at small budgets (bench inputs, 64 requests: 79 at budget 63, at
-// most 162) and more at larger ones (428 at 255, at most 1460; 3675 at 1023), where the levels'
-// refinements keep the pool and the order's buckets small. H200, bench.tree_ab against the
-// levels, kernel alone: budget 63 0.96x at bs 64, 0.93x at bs 16, 0.89x at bs 4, 0.92x at bs 1;
-// budget 127 1.06x at bs 64 (0.95x at bs 1); budget 255 1.15x. A queue that would overflow the
-// pool stops, and the levels run.
-// The queue's counter holds the entries allocated in 20 bits: at most the pool plus a run of at
-// most kQueueMaxBudget entries from each of up to 1024 threads.
-static_assert(kMaxPool + 1024 * kQueueMaxBudget < (1 << 20), "the queue's counter");
+// bound through a queue (Block::expand) instead of level by level. On the GPU each warp expands
+// a share of the root's run and then the children it wrote itself, a batch at a time: the
+// batch's run lengths, one shared atomic to place all its runs, its children written a lane
+// each. No barrier and no hand-over between warps, so no level waits for the block's slowest
+// parent or for a count, scan and write (~2.6k cycles a level). The first bound leaves few nodes
+// above it at small budgets (bench inputs, 64 requests: 79 at budget 63, at most 162) and more
+// at larger ones (428 at 255, at most 1460; 3675 at 1023), where the levels' refinements keep
+// the pool and the order's buckets small. H200, bench.tree_ab against the levels (with the
+// block-wide queue below), kernel alone: budget 63 0.96x at bs 64, 0.93x at bs 16, 0.89x at bs
+// 4, 0.92x at bs 1; budget 127 1.06x at bs 64 (0.95x at bs 1); budget 255 1.15x. A queue that
+// would overflow the pool stops, and the levels run. The warp-local batches replaced a
+// block-wide queue in which any warp took any entry once its ready flag was set (about 1.3k
+// cycles a level: ~200 to see the entry, ~200 for its run length, ~400 to allocate, ~550 to
+// write a child, behind a fence): H200, bench.tree_ab against it, budget 63 0.94x at bs 64,
+// 0.96x at bs 1024, 0.99-1.00x at bs 1, 4 and 256, 1.02x at bs 16; budget 47 0.98-0.99x.
 
 // The exactness check's verdict over some log-probs: kAnomaly | kInexact, and the lowest set
 // bit and the top bit exponents of the nonzero ones (1 << 30 and -(1 << 30) when there are none).
