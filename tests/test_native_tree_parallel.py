@@ -163,6 +163,39 @@ def test_parallel_cpu_strict_queue_overflow(monkeypatch, scale):
                 ddtree.build_tree(*args[:2], 63, *args[2:]), FIELDS_TREE, f"scale={scale}")
 
 
+def _wide_batch_inputs(bs, L, step, tie_from):
+    """Budget 40: depth 1 keeps rank 0 only; depth 2 has 64 cheap ranks (each 2^-12 below the
+    last, equal from rank tie_from on); deeper rows a cheap rank 0 (step x 2^-12) and deviations
+    near -0.5. The nodes at or above the first bound are one run of 40 under the depth-1 node,
+    then their rank-0 lines: on the GPU the warp that takes that node expands batches of 40 at
+    level after level (more than a warp's 32 lanes: GpuBlock::expand's wide path), while the
+    pool stays in the queue's 512 (a probe in the CPU emulation, when written: 250, 242, 414 and
+    402 entries for the cases below). Every value is a multiple of 2^-12: the sums are exact."""
+    r = np.arange(64, dtype=np.float64)
+    lp = np.empty((L, 64))
+    lp[0] = np.r_[-2.0 ** -10, -1.0 - r[1:] / 64]
+    lp[1] = -(np.minimum(r, tie_from) + 1) * 2.0 ** -12
+    lp[2:] = np.r_[-step * 2.0 ** -12, -0.5 - r[1:] / 4096]
+    lp = np.ascontiguousarray(np.broadcast_to(lp, (bs, L, 64)), dtype=np.float32)
+    ids = np.broadcast_to(np.arange(64, dtype=np.int64), (bs, L, 64)).copy()
+    return lp, ids, np.arange(bs, dtype=np.int64), np.full(bs, 7, np.int64)
+
+
+WIDE_BATCH_CASES = [(16, 8, 31), (16, 8, 63), (12, 4, 31), (12, 4, 63)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("L,step,tie_from", WIDE_BATCH_CASES)
+def test_parallel_queue_wide_batches(monkeypatch, device, L, step, tie_from):
+    # The queue's batches wider than a warp; strict on the CPU (the parallel path itself built
+    # the tree), the parallel kernel on CUDA, many blocks at once.
+    monkeypatch.setenv("KDT_TREE_BUILD", "parallel-strict" if device == "cpu" else "parallel")
+    args = _wide_batch_inputs(3 if device == "cpu" else 96, L, step, tie_from)
+    assert_same(native().build_tree(*args[:2], 40, *args[2:], device=device),
+                ddtree.build_tree(*args[:2], 40, *args[2:]), FIELDS_TREE,
+                f"device={device} L={L} step={step} tie_from={tie_from}")
+
+
 @pytest.mark.cuda
 def test_cuda_parallel_queue(monkeypatch, cuda_ready):
     # The queue's schedule on the GPU: every warp spinning on its entries, runs allocated by
