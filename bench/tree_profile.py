@@ -27,10 +27,13 @@ import sys
 from dataclasses import dataclass
 
 # Probe ids (blk.mark in tree_build_parallel.h and tree_build.cu): each names the phase that
-# ends there; 100 + d, 200 + d and 300 + d are level d's.
+# ends there; 100 + d, 200 + d and 300 + d are level d's; 70, 71 and 72 repeat for each of warp
+# 0's batches in the queue (GpuBlock::expand), and 7 then holds the wait for the other warps.
 PHASES = {
     0: "staging", 1: "exactness check, chain sums", 2: "exactness verdict", 4: "bins made",
     5: "histogram pass", 3: "first threshold", 6: "queue: the root's run", 7: "queue: drained",
+    70: "queue: a batch's run lengths", 71: "queue: its runs placed",
+    72: "queue: its children written",
     80: "order: buckets", 81: "order: ranks", 85: "order: placed", 82: "nodes", 96: "slots",
     97: "visibility zeroed", 99: "visibility rows",
 }

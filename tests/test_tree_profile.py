@@ -48,6 +48,7 @@ def test_summary_names_the_phases_of_the_median_and_slowest_blocks():
 
 def test_phase_names():
     assert tree_profile.phase_name(3) == "first threshold"
+    assert tree_profile.phase_name(71) == "queue: its runs placed"
     assert tree_profile.phase_name(107) == "level 7: runs"
     assert tree_profile.phase_name(215) == "level 15: write"
     assert tree_profile.phase_name(332) == "level 32: bound check"

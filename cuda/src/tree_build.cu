@@ -310,7 +310,9 @@ struct GpuBlock {
   // (a lane each; the children's runs found by a binary search over the lanes' offsets); a
   // larger one writes its offsets to off[i] and searches them there. Returns the entries
   // allocated, or -1 when they would pass cap (the pool is then incomplete). *work must hold n0
-  // (written before a barrier). Every thread calls it; it ends with a barrier.
+  // (written before a barrier). Every thread calls it; it ends with a barrier. Profiling probes
+  // (thread 0: warp 0's batches, the share that holds the root's rank-0 child): 70 after a
+  // batch's run lengths, 71 once its runs are placed, 72 once its children are written.
   template <class Len, class Put>
   __device__ int expand(unsigned* work, uint32_t* cand, int* off, int n0, int cap, Len len,
                         Put put) {
@@ -323,11 +325,13 @@ struct GpuBlock {
       if (m <= 32) {
         const int i = lo + lane;
         const int c = lane < m ? len(i) : 0;
+        mark(70);
         const int incl = warp_inclusive(c, lane), excl = incl - c;
         total = __shfl_sync(kFull, incl, 31);
         unsigned old = 0;
         if (lane == 0 && total) old = atomicAdd(work, (unsigned)total);
         base = (int)__shfl_sync(kFull, old, 0);
+        mark(71);
         if (total == 0 || base + total > cap) break;
         for (int k0 = 0; k0 < total; k0 += 32) {
           const int k = k0 + lane;
@@ -349,10 +353,12 @@ struct GpuBlock {
           if (j < m) off[lo + j] = run + incl - c;
           run += __shfl_sync(kFull, incl, 31);
         }
+        mark(70);
         total = run;
         unsigned old = 0;
         if (lane == 0 && total) old = atomicAdd(work, (unsigned)total);
         base = (int)__shfl_sync(kFull, old, 0);
+        mark(71);
         if (total == 0 || base + total > cap) break;
         __syncwarp();  // the offsets are visible to every lane
         for (int k = lane; k < total; k += 32) {
@@ -361,6 +367,7 @@ struct GpuBlock {
         }
       }
       __syncwarp();  // the children are visible to every lane: the next batch
+      mark(72);
       lo = base;
       hi = base + total;
     }
