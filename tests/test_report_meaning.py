@@ -106,6 +106,33 @@ def test_meaning_figures(rng):
         assert f"run `{k}`" in text  # every figure says which run it comes from
 
 
+def test_cpu_vs_the_cuda_kernel_alone(rng):
+    # Records that carry the kernel alone (bench/tree_build.py) get a second comparison line, the
+    # kernel alone against the CPU backend's call: the measure.
+    recs, med = _tree(rng)
+    alone = {}
+    for r in recs:
+        if r["backend"] == "native-cuda":
+            key = (r["case"]["bs"], r["case"]["budget"])
+            alone[key] = float(rng.uniform(1e-6, 1e-3))
+            r["kernel_alone"] = {"summary": {"median": alone[key]}}
+    view = {"suites": {"tree_build": {"results": recs}}, "from": {"tree_build": "run-x"}}
+    lines = [ln for ln in rm.meaning(view) if ln.startswith("- The CUDA kernel alone")]
+    assert len(lines) == 1
+    n_cpu = sum(alone[c] > med[("native-cpu", *c)] for c in alone)
+    want = (f"**the CPU backend is faster at {n_cpu}**" if n_cpu
+            else "the CPU backend is faster at none")
+    assert f"over 4 (bs, budget) cases: {want}" in lines[0]
+    for c, t in alone.items():
+        x = t / med[("native-cpu", *c)]
+        if x > 1:
+            assert f"bs {c[0]} B {c[1]} ({x:.1f}x)" in lines[0]
+    # without kernel-alone times the line is left out
+    for r in recs:
+        r.pop("kernel_alone", None)
+    assert not [ln for ln in rm.meaning(view) if ln.startswith("- The CUDA kernel alone")]
+
+
 def test_meaning_of_nothing_says_so():
     assert rm.meaning({"suites": {}, "from": {}}) == [
         "- These runs have no tree-build, attention, e2e or service results to interpret."]

@@ -73,6 +73,15 @@ def median(recs, backend, bs, budget):
     return None
 
 
+def kernel_alone(recs, backend, bs, budget):
+    """The kernel-alone median (bench/tree_build.py's `kernel_alone`) of a case, or None."""
+    for r in recs:
+        c = r["case"]
+        if r["backend"] == backend and c.get("bs") == bs and c.get("budget") == budget:
+            return ((r.get("kernel_alone") or {}).get("summary") or {}).get("median")
+    return None
+
+
 def native_backend(recs) -> str | None:
     names = {r["backend"] for r in recs}
     return next((b for b in ("native-cuda", "native-cpu") if b in names), None)
@@ -189,23 +198,37 @@ def _tree_lines(view) -> list:
                    f"bs = 64, budget = 255: {us(median(recs, nat, 64, 255))}.")
     if len(natives) == 2:
         cases = sorted({(r["case"]["bs"], r["case"]["budget"]) for r in recs})
-        ratio = {c: median(recs, "native-cuda", *c) / median(recs, "native-cpu", *c) for c in cases
-                 if median(recs, "native-cuda", *c) and median(recs, "native-cpu", *c)}
-        cpu_wins = [c for c, x in ratio.items() if x > 1]
-        gpu_wins = [c for c, x in ratio.items() if x <= 1]
-        line = f"- CUDA kernel vs the native CPU backend over {len(ratio)} (bs, budget) cases: "
-        if cpu_wins:
-            line += (f"**the CPU backend is faster at {len(cpu_wins)}**: "
-                     + ", ".join(f"bs {b} B {g} ({ratio[(b, g)]:.1f}x)" for b, g in cpu_wins) + "")
-        else:
-            line += "the CPU backend is faster at none"
-        if gpu_wins:
-            best = min(gpu_wins, key=lambda c: ratio[c])
-            line += (f"; the CUDA kernel is faster at {len(gpu_wins)}, most at bs {best[0]} B {best[1]} "
-                     f"({1 / ratio[best]:.1f}x: {us(median(recs, 'native-cuda', *best))} vs "
-                     f"{us(median(recs, 'native-cpu', *best))})")
-        out.append(line + ". (x: how many times faster the winner is.)")
+        cpu = {c: median(recs, "native-cpu", *c) for c in cases}
+        for what, cuda in (
+                ("One call of the CUDA kernel (CUDA events around it) vs the native CPU backend's call",
+                 {c: median(recs, "native-cuda", *c) for c in cases}),
+                ("The CUDA kernel alone (a CUDA graph of calls, replayed, per call) vs the native CPU "
+                 "backend's call", {c: kernel_alone(recs, "native-cuda", *c) for c in cases})):
+            line = _cpu_vs_cuda(what, cuda, cpu)
+            if line:
+                out.append(line)
     return out
+
+
+def _cpu_vs_cuda(what: str, cuda: dict, cpu: dict) -> str | None:
+    """One line: over the (bs, budget) cases timed on both, where the CPU backend is faster (and by
+    how much) and where the CUDA kernel is most ahead; None when no case has both times."""
+    ratio = {c: t / cpu[c] for c, t in cuda.items() if t and cpu.get(c)}
+    if not ratio:
+        return None
+    cpu_wins = [c for c, x in ratio.items() if x > 1]
+    gpu_wins = [c for c, x in ratio.items() if x <= 1]
+    line = f"- {what} over {len(ratio)} (bs, budget) cases: "
+    if cpu_wins:
+        line += (f"**the CPU backend is faster at {len(cpu_wins)}**: "
+                 + ", ".join(f"bs {b} B {g} ({ratio[(b, g)]:.1f}x)" for b, g in cpu_wins))
+    else:
+        line += "the CPU backend is faster at none"
+    if gpu_wins:
+        best = min(gpu_wins, key=lambda c: ratio[c])
+        line += (f"; the CUDA kernel is faster at {len(gpu_wins)}, most at bs {best[0]} B {best[1]} "
+                 f"({1 / ratio[best]:.1f}x: {us(cuda[best])} vs {us(cpu[best])})")
+    return line + ". (x: how many times faster the winner is.)"
 
 
 def _step_lines(view) -> list:
