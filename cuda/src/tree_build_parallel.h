@@ -523,16 +523,8 @@ KDT_HD int refine(Block& blk, const Arrays& A, Bound& bd, double lo, double hi, 
   return got;
 }
 
-// Orders this thread's earlier shared-memory accesses before its later ones, as the block sees
-// them (the queue publishes an entry's cand after its score and key, and reads them after it).
-KDT_HD void block_fence() {
-#if defined(__CUDA_ARCH__)
-  asm volatile("fence.acq_rel.cta;" ::: "memory");
-#endif
-}
-
-// Child r of pool entry p (score s, depth d - 1) into entry e: its score and rank-path key; its
-// cand (the queue's ready flag) is the caller's to write.
+// The score of child r (depth d) of a pool entry of score s: s + row[r], with the sign the
+// reference's chain gives a zero (zero_score).
 KDT_HD double child_score(const float* row, double s, int r, int d) {
   const double sc = s + (double)row[r];
   return sc == 0.0 ? zero_score(row, s, r, d) : sc;
