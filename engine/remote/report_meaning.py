@@ -65,21 +65,21 @@ def tree_records(view) -> list:
     return recs
 
 
+def _record(recs, backend, bs, budget):
+    """The first record of a backend's (bs, budget) case, or None."""
+    return next((r for r in recs if r["backend"] == backend and r["case"].get("bs") == bs
+                 and r["case"].get("budget") == budget), None)
+
+
 def median(recs, backend, bs, budget):
-    for r in recs:
-        c = r["case"]
-        if r["backend"] == backend and c.get("bs") == bs and c.get("budget") == budget:
-            return r["summary"]["median"]
-    return None
+    r = _record(recs, backend, bs, budget)
+    return r["summary"]["median"] if r else None
 
 
 def kernel_alone(recs, backend, bs, budget):
     """The kernel-alone median (bench/tree_build.py's `kernel_alone`) of a case, or None."""
-    for r in recs:
-        c = r["case"]
-        if r["backend"] == backend and c.get("bs") == bs and c.get("budget") == budget:
-            return ((r.get("kernel_alone") or {}).get("summary") or {}).get("median")
-    return None
+    r = _record(recs, backend, bs, budget) or {}
+    return ((r.get("kernel_alone") or {}).get("summary") or {}).get("median")
 
 
 def native_backend(recs) -> str | None:
