@@ -30,7 +30,7 @@ from typing import Callable
 
 from . import provenance
 from .errors import (BuildFailed, ConfigError, Interrupted, KdtError, StepTimeout, TestsFailed,
-                     TransferError)
+                     TransferError, UsageError)
 from .inventory import Host
 from .locks import RemoteLock
 from .plan import (BUILD_INPUTS, BUNDLE_INPUTS, Layout, Options, Plan, make_run_id, plan_deploy,
@@ -172,6 +172,13 @@ def _new_run_dir(t: Transport, lay: Layout, git: dict, kind: str) -> str:
     raise TransferError(f"cannot create a run folder under {lay.runs}: {r.tail()}", host=t.host.name)
 
 
+def _require_deployed(t: Transport, host: Host, lay: Layout, kind: str) -> None:
+    """--no-deploy runs what is already on the host: say so at once when nothing is."""
+    if not t.run(f"test -d {shlex.quote(lay.src)}", timeout=host.timeouts.connect).ok:
+        raise UsageError(f"--no-deploy, but nothing is deployed in {lay.src}", host=host.name, step=kind,
+                         hint=f"drop --no-deploy, or run `invoke deploy --host {host.name}` first")
+
+
 def _run(kind: str, host: Host, repo_root: Path, opts: Options, progress: Progress) -> Outcome:
     log = progress.logger(host.name)
     git = provenance.git_info(repo_root)
@@ -180,6 +187,8 @@ def _run(kind: str, host: Host, repo_root: Path, opts: Options, progress: Progre
         if not opts.no_deploy:
             deployed = _deploy_on(t, host, repo_root, opts, progress, plans)
         lay = layout_for(host, t)
+        if opts.no_deploy and not opts.dry_run:
+            _require_deployed(t, host, lay, kind)
         if opts.dry_run:
             plan = plan_run(kind, host, lay, make_run_id(git, kind), repo_root, opts)
             _print_plan(plan, log)
@@ -204,7 +213,12 @@ def _run(kind: str, host: Host, repo_root: Path, opts: Options, progress: Progre
             if interrupt.stop.is_set():
                 raise Interrupted("stopped before the run started (Ctrl-C)", host=host.name, step=kind)
             runner_log = f"{lay.runs}/{run_id}.runner.log"
-            pid = t.spawn_detached(runner.argv, cwd=runner.cwd, env=env, log_path=runner_log)
+            try:
+                pid = t.spawn_detached(runner.argv, cwd=runner.cwd, env=env, log_path=runner_log)
+            except KdtError as e:
+                # Nothing ran: the folder goes, or fetch-results would wait on it for ever.
+                t.run(f"rm -rf -- {shlex.quote(lay.run(run_id))}", timeout=host.timeouts.connect)
+                raise e.with_context(host=host.name, step=kind)
             lock.handoff(pid)
             if opts.detach:
                 return Outcome(host.name, kind, f"started {run_id} detached (pid {pid}); "
