@@ -216,8 +216,12 @@ def _run(kind: str, host: Host, repo_root: Path, opts: Options, progress: Progre
             try:
                 pid = t.spawn_detached(runner.argv, cwd=runner.cwd, env=env, log_path=runner_log)
             except KdtError as e:
-                # Nothing ran: the folder goes, or fetch-results would wait on it for ever.
-                t.run(f"rm -rf -- {shlex.quote(lay.run(run_id))}", timeout=host.timeouts.connect)
+                # Nothing ran: the folder goes, or fetch-results would wait on it for ever (unless
+                # the link is gone too: the start's error is the one to report).
+                try:
+                    t.run(f"rm -rf -- {shlex.quote(lay.run(run_id))}", timeout=host.timeouts.connect)
+                except KdtError:
+                    pass
                 raise e.with_context(host=host.name, step=kind)
             lock.handoff(pid)
             if opts.detach:
