@@ -50,3 +50,17 @@ def test_a_runner_that_cannot_start_leaves_no_run_folder(tmp_path, monkeypatch):
     runs = tmp_path / "remote" / "runs"
     assert runs.is_dir() and not [p.name for p in runs.iterdir() if p.is_dir()]
     assert not (tmp_path / "remote" / ".lock").exists(), "the lock is released"
+
+
+class LinkGone(NoSpawn):
+    def run(self, argv_or_script, **kw):
+        if "rm -rf" in str(argv_or_script):
+            raise TransferError("the link dropped (test)")
+        return super().run(argv_or_script, **kw)
+
+
+def test_when_the_cleanup_fails_too_the_start_error_is_reported(tmp_path, monkeypatch):
+    (tmp_path / "remote" / "src").mkdir(parents=True)
+    monkeypatch.setattr(pipeline, "open_transport", lambda host, **_: LinkGone(host))
+    with pytest.raises(TransferError, match="could not start the runner"):
+        pipeline.test_remote(box(tmp_path), REPO, Options(no_deploy=True), progress())
