@@ -328,10 +328,7 @@ struct GpuBlock {
         mark(70);
         const int incl = warp_inclusive(c, lane), excl = incl - c;
         total = __shfl_sync(kFull, incl, 31);
-        unsigned old = 0;
-        if (lane == 0 && total) old = atomicAdd(work, (unsigned)total);
-        base = (int)__shfl_sync(kFull, old, 0);
-        mark(71);
+        base = place(work, total, lane);
         if (total == 0 || base + total > cap) break;
         for (int k0 = 0; k0 < total; k0 += 32) {
           const int k = k0 + lane;
@@ -355,10 +352,7 @@ struct GpuBlock {
         }
         mark(70);
         total = run;
-        unsigned old = 0;
-        if (lane == 0 && total) old = atomicAdd(work, (unsigned)total);
-        base = (int)__shfl_sync(kFull, old, 0);
-        mark(71);
+        base = place(work, total, lane);
         if (total == 0 || base + total > cap) break;
         __syncwarp();  // the offsets are visible to every lane
         for (int k = lane; k < total; k += 32) {
@@ -374,6 +368,15 @@ struct GpuBlock {
     __syncthreads();
     const int a = (int)*work;
     return a > cap ? -1 : a;
+  }
+  // The queue's allocation: a batch's `total` entries at the end of the pool, one atomic on
+  // *work by lane 0; returns the first (every lane). Probe 71 ends it.
+  __device__ int place(unsigned* work, int total, int lane) {
+    unsigned old = 0;
+    if (lane == 0 && total) old = atomicAdd(work, (unsigned)total);
+    const int base = (int)__shfl_sync(kFull, old, 0);
+    mark(71);
+    return base;
   }
   // Profiling probe (development builds with -DKDT_PAR_PROFILE): thread 0 of every block
   // records the cycle counter; print_marks prints each block's intervals.
