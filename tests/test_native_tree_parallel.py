@@ -198,7 +198,7 @@ def test_parallel_queue_wide_batches(monkeypatch, device, L, step, tie_from):
 
 @pytest.mark.cuda
 def test_cuda_parallel_queue(monkeypatch, cuda_ready):
-    # The queue's schedule on the GPU: every warp spinning on its entries, runs allocated by
+    # The queue's schedule on the GPU: every warp expanding its own batches, their runs placed by
     # atomics in any order, and the overflow that hands over to the levels; bench-like inputs
     # at budgets 32..63 and the overflowing ones, many blocks at once.
     seed = secrets.randbits(32)
