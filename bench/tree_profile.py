@@ -30,7 +30,10 @@ from dataclasses import dataclass
 # ends there; 100 + d, 200 + d and 300 + d are level d's; 70, 71 and 72 repeat for each of warp
 # 0's batches in the queue (GpuBlock::expand), and 7 then holds the wait for the other warps.
 PHASES = {
-    0: "staging", 1: "exactness check, chain sums", 2: "exactness verdict", 4: "bins made",
+    10: "staging: start, first entries", 11: "staging: loaded, checked",
+    12: "staging: warps' verdicts", 13: "staging: chain sums", 14: "staging: barrier",
+    0: "staging", 1: "exactness check, chain sums", 2: "exactness verdict",
+    20: "family sized", 21: "family's lowest score", 4: "bins made",
     5: "histogram pass", 3: "first threshold", 6: "queue: the root's run", 7: "queue: drained",
     70: "queue: a batch's run lengths", 71: "queue: its runs placed",
     72: "queue: its children written",

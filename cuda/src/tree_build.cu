@@ -482,8 +482,10 @@ struct GpuBlock {
 // template argument rather than a run-time choice, so that every log-prob read compiles to a
 // shared (or a global) load: a pointer that may point to either compiles to slower generic loads.
 // cap, twin: the pool's capacity and copies (tree::par::plan).
+// C: the launch's scalars (tree::par::consts).
 template <bool kStaged>
-__global__ void tree_build_parallel_kernel(TreeBuildArgs a, int cap, int twin, int nord) {
+__global__ void tree_build_parallel_kernel(TreeBuildArgs a, int cap, int twin, int nord,
+                                           const tree::par::Consts C) {
   extern __shared__ double smem[];
   const int n = a.budget + 1, W = (n + 31) / 32;
   const int b = blockIdx.x;
@@ -519,15 +521,20 @@ __global__ void tree_build_parallel_kernel(TreeBuildArgs a, int cap, int twin, i
   const size_t lk = (size_t)a.L * a.K;
   const float* lp = a.top_logp + b * lk;
   const int64_t* ids = a.top_ids + b * lk;
-  tree::Scratch ks{};
-  tree::set_key_layout(ks, a.L, a.K);
   const tree::par::Pool second = twin ? tree::par::Pool{pool + cap, cands + cap, keys + cap}
                                       : tree::par::Pool{nullptr, nullptr, nullptr};
   const tree::par::Arrays A{{pool, cands, keys}, second, twin != 0, {bscore, bcand, bkey}, bto,
-                            nbuf, cnt, srt, order, inv, hist, chain, ks.key_bits,
-                            ks.key_depth, nord};
+                            nbuf, cnt, srt, order, inv, hist, chain, C.key_bits,
+                            C.key_depth, nord};
   if (threadIdx.x == 0) tree::par::init(S);
   GpuBlock blk{wsum};
+#if defined(KDT_PAR_PROFILE)
+  __shared__ long long prof_marks[192];
+  __shared__ int prof_ids[192];
+  blk.marks = prof_marks;
+  blk.ids = prof_ids;
+  blk.t0 = t_start;
+#endif
   // Staged: the first phase's work is done here, on the values as they arrive (build's pre):
   // each thread checks the log-probs it stages, a warp's verdicts are reduced into chk, and
   // warp 0 adds the chain sums (from global memory: the staged copy is read after the barrier).
@@ -536,12 +543,13 @@ __global__ void tree_build_parallel_kernel(TreeBuildArgs a, int cap, int twin, i
     float* staged = reinterpret_cast<float*>(next_sibling + n);
     const int T = blockDim.x, lane = threadIdx.x & 31, K = a.K, n_lp = (int)lk;
     tree::par::first_entries(A, threadIdx.x, T);
+    blk.mark(10);
     tree::par::Checked ck;
     // A warp stages 256 consecutive log-probs a round, eight loads in flight per lane before
     // the stores, and each lane checks its element against the next one: lane l + 1's, lane
     // 31's against lane 0's next, and the round's last against the next round's first, which
     // lane 31 loads besides.
-    const int w = threadIdx.x >> 5, step = 32 % K;
+    const int w = threadIdx.x >> 5, step = C.step32;
     for (int i0 = 256 * w; i0 < n_lp; i0 += 8 * T) {  // uniform in the warp
       float v[8];
 #pragma unroll
@@ -564,6 +572,7 @@ __global__ void tree_build_parallel_kernel(TreeBuildArgs a, int cap, int twin, i
         if (col >= K) col -= K;
       }
     }
+    blk.mark(11);
     ck.flags = (int)__reduce_or_sync(kFull, (unsigned)ck.flags);
     ck.emin = __reduce_min_sync(kFull, ck.emin);
     ck.emax = __reduce_max_sync(kFull, ck.emax);
@@ -572,44 +581,40 @@ __global__ void tree_build_parallel_kernel(TreeBuildArgs a, int cap, int twin, i
       chk[1][threadIdx.x >> 5] = ck.emin;
       chk[2][threadIdx.x >> 5] = ck.emax;
     }
-    blk.chain_sums(lp, a.L, K, tree::par::family_ranks(K, a.budget), chain, &S.fmin);
+    blk.mark(12);
+    blk.chain_sums(lp, a.L, K, C.kf, chain, &S.fmin);
+    blk.mark(13);
     lp = staged;
   }
   __syncthreads();
+  blk.mark(14);
   tree::par::Checked pre;
-  if (kStaged) {
-    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) {
-      tree::par::Checked o;
-      o.flags = chk[0][w];
-      o.emin = chk[1][w];
-      o.emax = chk[2][w];
-      pre.merge(o);
-    }
+  if (kStaged) {  // the warps' verdicts, a lane each (no loop)
+    const int l = threadIdx.x & 31;
+    const bool in = l < (int)(blockDim.x >> 5);
+    pre.flags = (int)__reduce_or_sync(kFull, in ? (unsigned)chk[0][l] : 0u);
+    pre.emin = __reduce_min_sync(kFull, in ? chk[1][l] : 1 << 30);
+    pre.emax = __reduce_max_sync(kFull, in ? chk[2][l] : -(1 << 30));
   }
   const tree::par::Nodes nodes{node_score, node_cand, first_child, next_sibling};
 #if defined(KDT_PAR_PROFILE)
-  __shared__ long long prof_marks[192];
-  __shared__ int prof_ids[192];
-  blk.marks = prof_marks;
-  blk.ids = prof_ids;
-  blk.t0 = t_start;
   blk.mark(0);  // staged
   // KDT_PAR_REPEAT: build again and keep the last build's marks (is the first one paying for
   // cold caches?).
   for (int rep = 1; rep < KDT_PAR_REPEAT; ++rep) {
-    tree::par::build(blk, S, A, nodes, lp, a.L, a.K, a.budget, cap, kStaged ? &pre : nullptr);
+    tree::par::build(blk, S, A, nodes, lp, a.L, a.K, a.budget, cap, C, kStaged ? &pre : nullptr);
     __syncthreads();
     if (threadIdx.x == 0) tree::par::init(S);
     if (kStaged) tree::par::first_entries(A, threadIdx.x, blockDim.x);
     __syncthreads();
     if (kStaged)
-      blk.chain_sums(lp, a.L, a.K, tree::par::family_ranks(a.K, a.budget), chain, &S.fmin);
+      blk.chain_sums(lp, a.L, a.K, C.kf, chain, &S.fmin);
     __syncthreads();
     blk.nmark = 0;
     blk.t0 = clock64();
   }
 #endif
-  int u = tree::par::build(blk, S, A, nodes, lp, a.L, a.K, a.budget, cap,
+  int u = tree::par::build(blk, S, A, nodes, lp, a.L, a.K, a.budget, cap, C,
                            kStaged ? &pre : nullptr);
   if (u < 0) {
     // The serial selection (warp variant) over the pool's memory: its frontier and keys (20 n
@@ -846,11 +851,13 @@ kdt_status tree_build_cuda(const TreeBuildArgs& a, void* stream) {
     // layout that fits (sm_120: 99 KB per block); a budget that fits none runs the serial
     // kernel.
     static int optin[64] = {};
+    static int most_threads[64] = {};  // the fewer of the two kernels' maxThreadsPerBlock
     int dev = 0;
     KDT_CUDA_CHECK(cudaGetDevice(&dev), fn);
-    int limit = 48 * 1024;
+    int limit = 48 * 1024, threads_limit = 1024;
     if (dev >= 0 && dev < 64 && optin[dev]) {
       limit = optin[dev];
+      threads_limit = most_threads[dev];
     } else {
       KDT_CUDA_CHECK(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
                      fn);
@@ -866,16 +873,32 @@ kdt_status tree_build_cuda(const TreeBuildArgs& a, void* stream) {
       KDT_CUDA_CHECK(cudaFuncSetAttribute(tree_build_parallel_kernel<false>,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize, limit),
                      fn);
-      if (dev >= 0 && dev < 64) optin[dev] = limit;
+      // The registers a kernel takes bound its threads per block (a launch of more fails).
+      for (auto k : {tree_build_parallel_kernel<true>, tree_build_parallel_kernel<false>}) {
+        cudaFuncAttributes fa;
+        KDT_CUDA_CHECK(cudaFuncGetAttributes(&fa, k), fn);
+        threads_limit = fa.maxThreadsPerBlock < threads_limit ? fa.maxThreadsPerBlock
+                                                              : threads_limit;
+      }
+      if (dev >= 0 && dev < 64) {
+        optin[dev] = limit;
+        most_threads[dev] = threads_limit;
+      }
     }
+    if (T > threads_limit)
+      return set_error(KDT_ERR_INVALID_ARGUMENT, fn,
+                       "KDT_TREE_BUILD_THREADS=%d: the parallel build's kernel takes at most %d "
+                       "threads per block on this device (its registers); use %d or fewer",
+                       T, threads_limit, threads_limit);
     tree::par::Plan p;
     const size_t knob = tree::par::smem_from_env();  // a smaller device, emulated
     if (tree::par::plan(a.budget, a.L, a.K, knob && knob < (size_t)limit ? knob : limit, &p)) {
       const int twin = p.twin ? 1 : 0;
+      const tree::par::Consts C = tree::par::consts(a.budget, a.L, a.K, T, p.nord);
       if (p.staged)
-        tree_build_parallel_kernel<true><<<a.bs, T, p.bytes, st>>>(a, p.cap, twin, p.nord);
+        tree_build_parallel_kernel<true><<<a.bs, T, p.bytes, st>>>(a, p.cap, twin, p.nord, C);
       else
-        tree_build_parallel_kernel<false><<<a.bs, T, p.bytes, st>>>(a, p.cap, twin, p.nord);
+        tree_build_parallel_kernel<false><<<a.bs, T, p.bytes, st>>>(a, p.cap, twin, p.nord, C);
       KDT_CUDA_CHECK(cudaGetLastError(), fn);
       return KDT_OK;
     }

@@ -146,14 +146,14 @@ struct ParallelScratch {
   std::vector<int16_t> inv;
   tree::par::Arrays A;
   tree::par::Shared S;
+  tree::par::Consts C;
 
-  ParallelScratch(int L, int K, int threads, const tree::par::Plan& p)
+  ParallelScratch(int L, int K, int budget, int threads, const tree::par::Plan& p)
       : cap(p.cap), T(threads), twin(p.twin), score0(cap), score1(twin ? cap : 0), chain(L + 1),
         bscore(twin ? 0 : tree::par::kCompactBuf), cand0(cap), cand1(twin ? cap : 0),
         bcand(bscore.size()), key0(cap), key1(twin ? cap : 0), bkey(bscore.size()), cnt(cap),
-        hist(p.nord), bto(bscore.size()), srt(cap), order(cap), inv(cap) {
-    tree::Scratch ks{};
-    tree::set_key_layout(ks, L, K);
+        hist(p.nord), bto(bscore.size()), srt(cap), order(cap), inv(cap),
+        C(tree::par::consts(budget, L, K, threads, p.nord)) {
     A = tree::par::Arrays{{score0.data(), cand0.data(), key0.data()},
                           {score1.data(), cand1.data(), key1.data()},
                           twin,
@@ -166,8 +166,8 @@ struct ParallelScratch {
                           inv.data(),
                           hist.data(),
                           chain.data(),
-                          ks.key_bits,
-                          ks.key_depth,
+                          C.key_bits,
+                          C.key_depth,
                           p.nord};
   }
 };
@@ -203,7 +203,7 @@ kdt_status tree_build_cpu(const TreeBuildArgs& a) {
   tree::par::Plan plan{};
   if (algo != Algo::kSerial && !warp) {
     if (plan_from_env(a.budget, a.L, a.K, &plan))
-      ps.emplace_back(a.L, a.K, tree::par::threads_from_env(a.budget), plan);
+      ps.emplace_back(a.L, a.K, a.budget, tree::par::threads_from_env(a.budget), plan);
     else if (algo == Algo::kStrict)
       return set_error(KDT_ERR_INTERNAL, fn,
                        "KDT_TREE_BUILD_SMEM=%s bytes fit no layout of the parallel build at "
@@ -224,7 +224,8 @@ kdt_status tree_build_cpu(const TreeBuildArgs& a) {
     } else if (!ps.empty()) {
       CpuBlock blk{ps[0].T};
       tree::par::init(ps[0].S);
-      used = tree::par::build(blk, ps[0].S, ps[0].A, nodes, lp, a.L, a.K, a.budget, ps[0].cap);
+      used = tree::par::build(blk, ps[0].S, ps[0].A, nodes, lp, a.L, a.K, a.budget, ps[0].cap,
+                              ps[0].C);
       if (used < 0 && algo == Algo::kStrict)
         return set_error(KDT_ERR_INTERNAL, fn,
                          "request %d: the parallel build declined it (%s); "

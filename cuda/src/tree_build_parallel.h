@@ -122,6 +122,61 @@ KDT_HD int family_ranks(int K, int budget) {
   return budget <= kQueueMaxBudget && kc > kFamilyRanksQueue ? kFamilyRanksQueue : kc;
 }
 
+// Exact floor(n / d) as a 32-bit multiply and a shift, for 0 <= n < 2^12 and n d < 2^20 (the
+// family's indices: n < 2^11, d <= 506): n ceil(2^20 / d) >> 20 exceeds n / d by less than
+// n / 2^20 < 1 / d, so it never reaches the next integer, and the product stays below 2^32. A
+// division by a run-time value costs a thread a chain of ~20 instructions.
+KDT_HD uint32_t div_magic(int d) { return ((1u << 20) + (uint32_t)d - 1) / (uint32_t)d; }
+KDT_HD int div_by(int n, uint32_t magic) { return (int)(((uint32_t)n * magic) >> 20); }
+
+// The build's scalars for one launch (budget, L, K, threads T, order buckets), computed once on
+// the host (consts) and read by every thread: as loops or divisions by run-time values in each
+// thread they cost the block ~2-3k cycles before its first phase (H200, KDT_PAR_PROFILE, bs 64,
+// budget 63: 835 cycles for the family's grid side alone, a 12-step loop).
+struct Consts {
+  int kc;                   // ranks a budget can select: min(K, budget)
+  int kf;                   // the family's chain-deviation ranks (family_ranks)
+  int lg;                   // the smallest lg with 2^lg >= L + 2 (the exactness check)
+  int key_bits, key_depth;  // tree::set_key_layout
+  int mord;                 // log2 of the order buckets (nord)
+  int g, h, E;              // the family's grid side, its corner's side, the corner's extensions
+  int ngrid, next, nfam;    // the grid's members, the corner's, the family's
+  int dT, rT, aT, bT;       // T % L, T / L, T % (g - 1), T / (g - 1) (g > 1)
+  int step32;               // 32 % K (the CUDA staging)
+  uint32_t mL, mw, mnext, mh;  // div_magic of L, g - 1, next and h (of 1 when unused)
+};
+
+inline Consts consts(int budget, int L, int K, int T, int nord) {
+  Consts c{};
+  c.kc = K < budget ? K : budget;
+  c.kf = family_ranks(K, budget);
+  while ((1 << c.lg) < L + 2) ++c.lg;
+  Scratch ks{};
+  set_key_layout(ks, L, K);
+  c.key_bits = ks.key_bits;
+  c.key_depth = ks.key_depth;
+  while (1 << c.mord < nord) ++c.mord;
+  if (L >= 2) {
+    while (c.g < c.kc && c.g * c.g < 2 * budget) ++c.g;
+  }
+  c.h = (c.g + 1) / 2;
+  c.E = L - 2 < 3 ? (L > 2 ? L - 2 : 0) : 3;
+  c.ngrid = c.g > 1 ? (c.g - 1) * c.g : 0;
+  c.next = c.h > 1 ? (c.h - 1) * c.h : 0;
+  c.nfam = L * c.kf + c.ngrid + c.next * c.E;
+  const int w = c.g > 1 ? c.g - 1 : 1;
+  c.dT = T % L;
+  c.rT = T / L;
+  c.aT = T % w;
+  c.bT = T / w;
+  c.step32 = 32 % K;
+  c.mL = div_magic(L);
+  c.mw = div_magic(w);
+  c.mnext = div_magic(c.next > 0 ? c.next : 1);
+  c.mh = div_magic(c.h > 0 ? c.h : 1);
+  return c;
+}
+
 // A level whose refinement leaves more than cap / kCompactShare entries below the new bound
 // compacts the pool at once when a next level as large as it would overflow (see build).
 constexpr int kCompactShare = 4;
@@ -189,7 +244,8 @@ inline bool plan(int budget, int L, int K, size_t limit, Plan* p) {
 KDT_HD int threads_for(int budget) { return budget < 512 ? 256 : 512; }
 
 // Measurement and test knobs, read per call by the CUDA launch and the CPU emulation alike:
-// KDT_TREE_BUILD_THREADS, threads per CTA (a multiple of 32 in [32, 1024]; else threads_for),
+// KDT_TREE_BUILD_THREADS, threads per CTA (a multiple of 32 in [32, 1024]; else threads_for;
+// the CUDA launch refuses more than the kernel's registers allow, e.g. 768 at 80 registers),
 // and KDT_TREE_BUILD_SMEM, the shared memory per block to plan for (bytes; 0 when unset: the
 // device's), which emulates a smaller device, e.g. 100352 for sm_120's 99 KB less the kernel's
 // static kilobyte.
@@ -609,10 +665,10 @@ KDT_HD void check_phase(Shared& S, const Arrays& A, const float* lp, int L, int 
 // and a barrier since; nullptr: the build does it.
 template <class Block>
 KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const float* lp, int L,
-                 int K, int budget, int cap, const Checked* pre = nullptr) {
+                 int K, int budget, int cap, const Consts& C, const Checked* pre = nullptr) {
   const int T = blk.threads();
-  const int kc = K < budget ? K : budget;  // ranks >= budget are never selected
-  const int kf = family_ranks(K, budget);  // the chain deviations' ranks in the family
+  const int kc = C.kc;  // ranks >= budget are never selected
+  const int kf = C.kf;  // the chain deviations' ranks in the family
   // ---- 0. the exactness check, the chain sums, the first threshold ------------------------
   // chain[d] = lp[0][0] + ... + lp[d - 1][0], fmin: the family's lowest chain score (warp 0,
   // alongside the check: no barrier of its own; both are read after the check's). They are
@@ -630,8 +686,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
   blk.mark(1);
   // The verdict, by every thread from the scalars (uniform): no phase of its own.
   {
-    int lg = 0;
-    while ((1 << lg) < L + 2) ++lg;
+    const int lg = C.lg;
     const bool inexact = ck.emin < (1 << 30) && ck.emax + lg > ck.emin + 53;
     if (ck.flags || inexact) {
       if (pre) return -1;
@@ -653,13 +708,8 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
   // best nodes lie: on the CPU emulation (100 bench inputs, budget 1023) the first bound's
   // median gap to the B-th best falls from 2.0 to 1.2 and the pool overflows 57 times instead
   // of 122.
-  int g = 0;
-  if (L >= 2) {
-    while (g < kc && g * g < 2 * budget) ++g;
-  }
-  const int h = (g + 1) / 2, E = L - 2 < 3 ? (L > 2 ? L - 2 : 0) : 3;
-  const int ngrid = g > 1 ? (g - 1) * g : 0, next = h > 1 ? (h - 1) * h : 0;
-  const int nfam = L * kf + ngrid + next * E;
+  const int g = C.g, h = C.h, E = C.E, next = C.next, nfam = C.nfam;
+  blk.mark(20);
   if (nfam >= budget) {
     // The family's lowest score: the chain deviations' (fmin) or the grid's last corner.
     double flo = unordered(S.fmin);
@@ -668,14 +718,15 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
       flo = corner < flo ? corner : flo;
     }
     hist_clean = false;
+    blk.mark(21);
     refine(blk, A, bd, flo, top, budget, cap / 2, lsb, [&](int t, auto f) {
       // Thread t takes elements t, t + T, ... of each part; the chain deviations and the grid
       // with their fast index across the warp's lanes (the depth; r1), so that a warp's scores
       // fall in different bins (lanes adding to one bin serialise), each index stepped by T
-      // without a division.
+      // without a division (the first index by div_by).
       {
-        const int dT = T % L, rT = T / L;
-        for (int d = t % L, r = t / L; r < kf;) {  // (0, ..., 0, r) at depth d + 1
+        const int dT = C.dT, rT = C.rT, r0 = div_by(t, C.mL);
+        for (int d = t - r0 * L, r = r0; r < kf;) {  // (0, ..., 0, r) at depth d + 1
           f(A.chain[d] + (double)lp[(size_t)d * K + r]);
           d += dT;
           r += rT;
@@ -683,17 +734,17 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
         }
       }
       if (g > 1) {
-        const int w = g - 1, aT = T % w, bT = T / w;
-        for (int a = t % w, r2 = t / w; r2 < g;) {  // (1 + a, r2)
+        const int w = g - 1, aT = C.aT, bT = C.bT, b0 = div_by(t, C.mw);
+        for (int a = t - b0 * w, r2 = b0; r2 < g;) {  // (1 + a, r2)
           f((double)lp[1 + a] + (double)lp[(size_t)K + r2]);
           a += aT;
           r2 += bT;
           if (a >= w) { a -= w; ++r2; }
         }
       }
-      for (int j = t; j < next * E; j += T) {  // few: a division or two per thread
-        const int e = 1 + j / next, x = j - (e - 1) * next;
-        const int r1 = 1 + x / h, r2 = x - (r1 - 1) * h;
+      for (int j = t; j < next * E; j += T) {  // few
+        const int e = 1 + div_by(j, C.mnext), x = j - (e - 1) * next;
+        const int r1 = 1 + div_by(x, C.mh), r2 = x - (r1 - 1) * h;
         f(((double)lp[r1] + (double)lp[(size_t)K + r2]) + (A.chain[2 + e] - A.chain[2]));
       }
     });
@@ -918,8 +969,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
 #else
   Bins bins{};  // read only when spread; g++ (-Wmaybe-uninitialized) cannot see that
 #endif
-  int mord = 0;  // nord = 2^mord buckets
-  while (1 << mord < A.nord) ++mord;
+  const int mord = C.mord;  // nord = 2^mord buckets
   const bool spread = n > 1 && make_bins(lo, top, mord, lsb, bins);
   // hist's bins above kBins are still zero from the first phase; its first kBins are too
   // unless a refinement ran after the last level's write.
