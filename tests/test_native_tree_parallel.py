@@ -241,6 +241,19 @@ def test_cuda_parallel_thread_counts(monkeypatch, cuda_ready, threads):
 
 
 @pytest.mark.cuda
+def test_cuda_parallel_threads_beyond_the_kernel(monkeypatch, cuda_ready):
+    # 1024 threads a block launch only while the kernel takes at most 64 registers: either the
+    # tree is exact, or the call is refused with the device's limit named (never a failed launch).
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    try:
+        _check(monkeypatch, "parallel", rng, 2, 15, 64, 63, True, seed, device="cuda",
+               threads=1024)
+    except AssertionError as e:
+        assert "KDT_TREE_BUILD_THREADS=1024: the parallel build's kernel takes at most" in str(e)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("budget", [15, 63, 255, 1023])
 def test_cuda_warp_large_batch(monkeypatch, cuda_ready, budget):
     # bs > 512: four requests (warps) per CTA, the last CTA partly empty.

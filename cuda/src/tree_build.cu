@@ -187,19 +187,23 @@ __device__ void block_write_visibility(uint32_t* vis, int n, int W, int used,
 }
 
 // The whole block writes one request's outputs from the node arrays (node order, slot 0 the
-// root): slots, links, visibility words. mark(id): a profiling probe.
+// root): slots, links, visibility words. root and seq_len: the request's (loaded early by the
+// caller). mark(id): a profiling probe.
 template <class Mark>
 __device__ void write_outputs(const TreeBuildArgs& a, int b, int n, int W, int used,
                               const uint32_t* node_cand, const double* node_score,
                               const int16_t* fc, const int16_t* ns, const int64_t* ids,
-                              Mark mark) {
+                              int64_t root, int64_t seq_len, Mark mark) {
   const size_t o = (size_t)b * n;
-  const int64_t seq_len = a.seq_lens[b];
-  const int64_t root = a.root_ids[b];
   for (int i = threadIdx.x; i < n; i += blockDim.x)
     write_tree_slot(a, o, i, used, root, seq_len, node_cand, node_score, fc, ns, ids);
   mark(96);
-  block_write_visibility(a.visibility + o * W, n, W, used, node_cand, mark);
+  // Rows of at most two words: each thread writes its rows whole (zeros included), with no
+  // zeroing pass and no barrier; wider rows zero the block first (block_write_visibility).
+  if (W <= 2)
+    write_visibility_rows(a.visibility + o * W, n, W, used, node_cand, threadIdx.x, blockDim.x);
+  else
+    block_write_visibility(a.visibility + o * W, n, W, used, node_cand, mark);
   if (threadIdx.x == 0) a.num_nodes[b] = used;
 }
 
@@ -233,7 +237,48 @@ __global__ void __launch_bounds__(kThreads) tree_build_kernel(TreeBuildArgs a) {
   __syncthreads();
 
   write_outputs(a, b, n, W, used, s.node_cand, s.node_score, s.first_child, s.next_sibling, ids,
-                [](int) {});
+                a.root_ids[b], a.seq_lens[b], [](int) {});
+}
+
+// Asks L1 for the 128-byte lines of [p, p + bytes) (no registers, no wait): the output pass's
+// token-id gather then finds them there instead of in L2.
+__device__ void warp_prefetch_l1(const void* p, size_t bytes, int lane) {
+  const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~(uintptr_t)127;
+  const uintptr_t end = reinterpret_cast<uintptr_t>(p) + bytes;
+  for (uintptr_t q = first + 128 * (uintptr_t)lane; q < end; q += 128 * 32)
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(q));
+}
+
+// Warp w of sw stages log-probs [32 P w, 32 P (w + 1)) of every round of 32 P sw into staged
+// (shared memory) and checks each against the next one in its row (ck): P loads in flight per
+// lane before the stores; the next value is lane l + 1's, lane 31's is lane 0's next one, and
+// the warp's last is the next warp's first, which lane 31 loads besides.
+template <int P>
+__device__ void stage_check(float* staged, const float* lp, int n_lp, int K, int step32, int w,
+                            int sw, int lane, tree::par::Checked& ck) {
+  const int step = step32;  // 32 % K: a lane's column advance from one load to the next
+  for (int i0 = 32 * P * w; i0 < n_lp; i0 += 32 * P * sw) {  // uniform in the warp
+    float v[P];
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      const int i = i0 + 32 * k + lane;
+      v[k] = i < n_lp ? __ldg(lp + i) : 0.0f;
+    }
+    const float last = lane == 31 && i0 + 32 * P < n_lp ? __ldg(lp + i0 + 32 * P) : 0.0f;
+    int col = (i0 + lane) % K;
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      const int i = i0 + 32 * k + lane;
+      const float up = __shfl_down_sync(kFull, v[k], 1);
+      const float wrap = __shfl_sync(kFull, v[k < P - 1 ? k + 1 : P - 1], 0);
+      if (i < n_lp) {
+        staged[i] = v[k];
+        ck.add(v[k], col + 1 < K, lane < 31 ? up : k < P - 1 ? wrap : last);
+      }
+      col += step;
+      if (col >= K) col -= K;
+    }
+  }
 }
 
 // The block as tree_build_parallel.h wants it: a phase runs on every thread, then a barrier;
@@ -249,12 +294,13 @@ struct GpuBlock {
   __device__ int threads() const { return blockDim.x; }
   // chain[d + 1] = lp[0][0] + ... + lp[d][0] (chain[0] = 0; L <= 32: one lane per depth, a
   // shuffle scan; they are used only once the float64 sums are known exact, so any order gives
-  // the same bits), and *fmin = min over d of ordered(chain[d] + lp[d][kc - 1]). Warp 0 only,
-  // no barrier: the caller's next phase ends with one before anything reads them.
+  // the same bits), and *fmin = min over d of ordered(chain[d] + lp[d][kc - 1]). Warp `warp`
+  // only (0 unless the caller picks one), no barrier: the caller's next phase ends with one
+  // before anything reads them.
   __device__ void chain_sums(const float* lp, int L, int K, int kc, double* chain,
-                             unsigned long long* fmin) {
-    const int t = threadIdx.x;
-    if (t < 32) {
+                             unsigned long long* fmin, int warp = 0) {
+    const int t = threadIdx.x & 31;
+    if ((int)(threadIdx.x >> 5) == warp) {
       const double v = t < L ? (double)lp[(size_t)t * K] : 0.0;
       double x = v;
 #pragma unroll
@@ -491,6 +537,7 @@ __global__ void tree_build_parallel_kernel(TreeBuildArgs a, int cap, int twin, i
   const int b = blockIdx.x;
   __shared__ tree::par::Shared S;
   __shared__ int used;
+  __shared__ int64_t meta[2];  // the request's root id and seq_len (read at the end)
 #if defined(KDT_PAR_PROFILE)
   const long long t_start = clock64();
 #endif
@@ -535,42 +582,36 @@ __global__ void tree_build_parallel_kernel(TreeBuildArgs a, int cap, int twin, i
   blk.ids = prof_ids;
   blk.t0 = t_start;
 #endif
+  // What the outputs need at the end, asked for now by the last warp: the request's root id and
+  // seq_len, and the token ids' lines into L1 (the slots' gather then finds them there).
+  const int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+  if ((int)(threadIdx.x >> 5) == nw - 1) {
+    warp_prefetch_l1(ids, lk * sizeof(int64_t), lane);
+    if (lane == 0) meta[0] = __ldg(a.root_ids + b);
+    if (lane == 1) meta[1] = __ldg(a.seq_lens + b);
+  }
   // Staged: the first phase's work is done here, on the values as they arrive (build's pre):
   // each thread checks the log-probs it stages, a warp's verdicts are reduced into chk, and
-  // warp 0 adds the chain sums (from global memory: the staged copy is read after the barrier).
+  // one warp adds the chain sums (from global memory: the staged copy is read after the
+  // barrier): the last warp when the staging leaves it idle, so that they run beside the
+  // staging, else warp 0 after its share.
   __shared__ int chk[3][32];  // per warp: flags, emin, emax
   if (kStaged) {
     float* staged = reinterpret_cast<float*>(next_sibling + n);
-    const int T = blockDim.x, lane = threadIdx.x & 31, K = a.K, n_lp = (int)lk;
+    const int T = blockDim.x, K = a.K, n_lp = (int)lk;
     tree::par::first_entries(A, threadIdx.x, T);
+    const int w = threadIdx.x >> 5;
+    // The staging's shape: five log-probs a lane over all warps but the last, which then takes
+    // the chain sums beside them, when that covers them in one round; else eight a lane over
+    // every warp, and warp 0 adds the chain sums after its share.
+    const int cw = 32 * 5 * (nw - 1) >= n_lp ? nw - 1 : 0;
+    if (cw) blk.chain_sums(lp, a.L, K, C.kf, chain, &S.fmin, cw);
     blk.mark(10);
     tree::par::Checked ck;
-    // A warp stages 256 consecutive log-probs a round, eight loads in flight per lane before
-    // the stores, and each lane checks its element against the next one: lane l + 1's, lane
-    // 31's against lane 0's next, and the round's last against the next round's first, which
-    // lane 31 loads besides.
-    const int w = threadIdx.x >> 5, step = C.step32;
-    for (int i0 = 256 * w; i0 < n_lp; i0 += 8 * T) {  // uniform in the warp
-      float v[8];
-#pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        const int i = i0 + 32 * k + lane;
-        v[k] = i < n_lp ? __ldg(lp + i) : 0.0f;
-      }
-      const float last = lane == 31 && i0 + 256 < n_lp ? __ldg(lp + i0 + 256) : 0.0f;
-      int col = (i0 + lane) % K;
-#pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        const int i = i0 + 32 * k + lane;
-        const float up = __shfl_down_sync(kFull, v[k], 1);
-        const float wrap = __shfl_sync(kFull, v[k < 7 ? k + 1 : 7], 0);
-        if (i < n_lp) {
-          staged[i] = v[k];
-          ck.add(v[k], col + 1 < K, lane < 31 ? up : k < 7 ? wrap : last);
-        }
-        col += step;
-        if (col >= K) col -= K;
-      }
+    if (cw) {
+      if (w < nw - 1) stage_check<5>(staged, lp, n_lp, K, C.step32, w, nw - 1, lane, ck);
+    } else {
+      stage_check<8>(staged, lp, n_lp, K, C.step32, w, nw, lane, ck);
     }
     blk.mark(11);
     ck.flags = (int)__reduce_or_sync(kFull, (unsigned)ck.flags);
@@ -582,7 +623,7 @@ __global__ void tree_build_parallel_kernel(TreeBuildArgs a, int cap, int twin, i
       chk[2][threadIdx.x >> 5] = ck.emax;
     }
     blk.mark(12);
-    blk.chain_sums(lp, a.L, K, C.kf, chain, &S.fmin);
+    if (!cw) blk.chain_sums(lp, a.L, K, C.kf, chain, &S.fmin);
     blk.mark(13);
     lp = staged;
   }
@@ -635,8 +676,8 @@ __global__ void tree_build_parallel_kernel(TreeBuildArgs a, int cap, int twin, i
     __syncthreads();
     u = used;
   }
-  write_outputs(a, b, n, W, u, node_cand, node_score, first_child, next_sibling, ids,
-                [&](int id) { blk.mark(id); });
+  write_outputs(a, b, n, W, u, node_cand, node_score, first_child, next_sibling, ids, meta[0],
+                meta[1], [&](int id) { blk.mark(id); });
   blk.mark(99);
   blk.print_marks();
 }
@@ -708,15 +749,6 @@ __device__ void warp_stage(T* dst, const float* src, int count, int lane) {
   }
   const int tail = head + 4 * nv;
   if (lane < count - tail) dst[tail + lane] = __ldg(src + tail + lane);
-}
-
-// Asks L1 for the 128-byte lines of [p, p + bytes) (no registers, no wait): the output pass's
-// token-id gather then finds them there instead of in L2.
-__device__ void warp_prefetch_l1(const void* p, size_t bytes, int lane) {
-  const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~(uintptr_t)127;
-  const uintptr_t end = reinterpret_cast<uintptr_t>(p) + bytes;
-  for (uintptr_t q = first + 128 * (uintptr_t)lane; q < end; q += 128 * 32)
-    asm volatile("prefetch.global.L1 [%0];" ::"l"(q));
 }
 
 // The warp writes one request's outputs: slots (lanes on consecutive slots), then visibility

@@ -514,6 +514,33 @@ KDT_HD int count_at_least(const float* row, int kc, double s, double t) {
   return last_pass(0, kc, [&](int r) { return row[r] >= u; }) + 1;
 }
 
+// count_at_least for kc <= 64 (the queue's budgets) with no data-dependent branch: the last
+// rank of each group of eight first (eight independent loads: the groups that pass whole are a
+// prefix, since the row does not rise), then the ranks of the first group that does not (eight
+// more). Two rounds of loads against the 4-ary search's three, each behind a branch. Ranks >= kc
+// never count (their loads are clamped to kc - 1).
+KDT_HD int count_at_least64(const float* row, int kc, double s, double t) {
+  const float u = float_at_least(t - s);
+  const int last = kc - 1;
+  int g = 0;
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int j = 0; j < 8; ++j) {
+    const int r = 8 * j + 7;
+    g += r < kc && row[r < last ? r : last] >= u;
+  }
+  int c = 0;
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int k = 0; k < 8; ++k) {
+    const int r = 8 * g + k;
+    c += r < kc && row[r < last ? r : last] >= u;
+  }
+  return 8 * g + c;
+}
+
 // The run of flattened element k: the last q < m with off[q] <= k (off: exclusive offsets of
 // the runs, off[0] = 0 <= k < total). An empty run shares its offset with the next, so q's run
 // holds k.
@@ -769,11 +796,14 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
       P.key[e] = child_key(A, P.key[i], r, d);
       return pack((uint32_t)i, (uint32_t)r, (uint32_t)d);
     };
-    const int c1 = top >= tt ? count_at_least(lp, kc, 0.0, tt) : 0;
+    static_assert(kQueueMaxBudget <= 64, "the queue counts runs with count_at_least64");
+    const int c1 = top >= tt ? count_at_least64(lp, kc, 0.0, tt) : 0;
     blk.run([&](int t) {
       for (int k = t; k < c1; k += T) P.cand[1 + k] = put(0, 1 + k, k);
       if (t == 0) S.work = (unsigned)(1 + c1);
+      for (int i = t; i < kBins; i += T) A.hist[i] = 0;  // the order's, here without a barrier
     });
+    hist_clean = true;
     blk.mark(6);
     const int n = blk.expand(
         &S.work, P.cand, A.cnt, 1 + c1, cap,
@@ -782,7 +812,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
           if (d >= L) return 0;
           const float* row = lp + (size_t)d * K;
           const double s = P.score[i];
-          return s + (double)row[0] >= tt ? count_at_least(row, kc, s, tt) : 0;
+          return count_at_least64(row, kc, s, tt);
         },
         put);
     blk.mark(7);

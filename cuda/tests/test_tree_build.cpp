@@ -207,7 +207,8 @@ std::string bins_exact(uint64_t seed) {
   return "";
 }
 
-// count_at_least (a float search against the smallest float at or above t - s) against the
+// count_at_least and, up to K = 64, count_at_least64 (float searches against the smallest float
+// at or above t - s; the latter also where no rank passes) against the
 // float64 count s + row[r] >= t, on exact inputs with ties and on rows of every magnitude.
 std::string count_exact(uint64_t seed) {
   namespace par = kdt::tree::par;
@@ -228,30 +229,71 @@ std::string count_exact(uint64_t seed) {
     const double step = std::ldexp(1.0, g) * (double)(1 + rng() % 64);
     if (rng() % 3 == 1) t -= step;
     if (rng() % 3 == 2) t += step;  // just above a rank's score
-    if (!(s + (double)row[0] >= t)) continue;
     int want = 0;
     while (want < K && s + (double)row[want] >= t) ++want;
+    if (want == 0) {  // count_at_least needs one rank at least; count_at_least64 does not
+      if (K <= 64 && par::count_at_least64(row.data(), K, s, t) != 0)
+        return "g " + std::to_string(g) + " K " + std::to_string(K) + " trial " +
+               std::to_string(trial) + ": count_at_least64 counted ranks below t";
+      continue;
+    }
     const int got = par::count_at_least(row.data(), K, s, t);
-    if (got != want)
+    const int got64 = K <= 64 ? par::count_at_least64(row.data(), K, s, t) : want;
+    if (got != want || got64 != want)
       return "g " + std::to_string(g) + " K " + std::to_string(K) + " trial " +
-             std::to_string(trial) + ": counted " + std::to_string(got) + ", want " +
-             std::to_string(want);
+             std::to_string(trial) + ": counted " + std::to_string(got) + " (count_at_least64 " +
+             std::to_string(got64) + "), want " + std::to_string(want);
   }
   return "";
 }
 
-// One request of one depth, K ranks 1/16 apart and budget K, except that rank p + 1 sits 1/32
-// above rank p: the only rise. The reference pops rank p + 1 right after its generator p; a build that
-// ranked by score alone would put it first, so the parallel build must decline the request. The
-// staged CUDA kernel checks each log-prob against the next one as it stages them, a warp 256 a
-// round: the next value is a neighbour lane's, lane 0's next or an extra load by lane 31, so the
-// rises sit at each kind of seam (31 | 32, 255 | 256, 1022 | 1023) and between.
-constexpr int kRises[] = {0, 1, 30, 31, 32, 63, 254, 255, 256, 287, 511, 767, 1022};
-BuildIn one_rise(int p, int K) {
-  BuildIn in{1, 1, K, K, std::vector<float>(K), std::vector<int64_t>(K), {5}, {9}};
-  for (int r = 0; r < K; ++r) {
-    in.lp[r] = -(float)(r + 1) / 16.0f;
-    in.ids[r] = r;
+// div_by against the division on its whole stated domain (n < 2^12, n d < 2^20), and the
+// build's uses of it inside that domain for every budget, depth, K and thread count: the family's
+// thread indices t < T over L and the grid side g - 1, its extensions' j < next E over next and
+// x < next over h (tree::par::consts).
+std::string div_exact() {
+  namespace par = kdt::tree::par;
+  for (int d = 1; d < (1 << 20); ++d) {
+    const uint32_t m = par::div_magic(d);
+    for (int n = 0; n < 4096 && (int64_t)n * d < (1 << 20); ++n)
+      if (par::div_by(n, m) != n / d)
+        return "div_by(" + std::to_string(n) + ", div_magic(" + std::to_string(d) + ")) = " +
+               std::to_string(par::div_by(n, m)) + ", want " + std::to_string(n / d);
+  }
+  auto fits = [](int64_t n, int64_t d) { return n < 4096 && n * d < (1 << 20); };
+  for (int budget = 1; budget <= kdt::tree::kMaxBudget; ++budget)
+    for (int L = 1; L <= kdt::tree::kMaxDepth; ++L)
+      for (int K : {1, 2, 3, 16, 64, 1000, 1024, 5000})
+        for (int T : {32, 256, 1024}) {
+          const par::Consts c = par::consts(budget, L, K, T, par::kOrderBins);
+          const std::string at = "budget " + std::to_string(budget) + " L " + std::to_string(L) +
+                                 " K " + std::to_string(K) + " T " + std::to_string(T);
+          if (!fits(T - 1, L) || (c.g > 1 && !fits(T - 1, c.g - 1)))
+            return at + ": a thread index over L or g - 1 leaves div_by's domain";
+          if (c.next > 0 && (!fits(c.next * c.E - 1, c.next) || !fits(c.next - 1, c.h)))
+            return at + ": an extension index leaves div_by's domain";
+        }
+  return "";
+}
+
+// One request of budget K, L rows of K ranks 1/16 apart, except that flat log-prob p + 1 sits
+// 1/32 above p (in the same row): the only rise. The reference pops rank p + 1 right after its
+// generator p; a build that ranked by score alone would put it first, so the parallel build must
+// decline the request. The staged CUDA kernel checks each log-prob against the next one as it
+// stages them, a warp 32 P a round (P = 5 when that covers them in one round, else 8): the next
+// value is a neighbour lane's, lane 0's next or an extra load by lane 31, so the rises sit at
+// each kind of seam (31 | 32, 159 | 160, 255 | 256, 1022 | 1023) and between.
+constexpr int kRises[] = {0,   1,   30,  31,  32,  63,  158, 159,  160,  254,  255,  256,
+                          287, 319, 320, 479, 511, 767, 1022, 1119, 1279, 1280, 1530};
+// (K, L) of the CUDA cases: 1024 log-probs at 512 threads and 300 at 256 (five a lane), 3 x 511
+// at 256 (eight a lane).
+constexpr int kRiseShapes[][2] = {{1024, 1}, {300, 1}, {511, 3}};
+BuildIn one_rise(int p, int K, int L = 1) {
+  const size_t n = (size_t)L * K;
+  BuildIn in{1, L, K, K, std::vector<float>(n), std::vector<int64_t>(n), {5}, {9}};
+  for (size_t i = 0; i < n; ++i) {
+    in.lp[i] = -(float)(i % K + 1) / 16.0f;
+    in.ids[i] = (int64_t)(i % K);
   }
   in.lp[p + 1] = in.lp[p] + 1.0f / 32.0f;
   return in;
@@ -267,6 +309,7 @@ int main(int argc, char** argv) {
   h.run("plan_layouts", plan_layouts);
   h.run("bins_exact", [&] { return bins_exact(h.seed); });
   h.run("count_exact", [&] { return count_exact(h.seed); });
+  h.run("div_exact", div_exact);
   if (!kdt_has_cuda()) {
     h.run("cuda_backend_unsupported_in_cpu_build", [] {
       BuildIn in{1, 1, 1, 1, {0.f}, {1}, {0}, {0}};
@@ -303,6 +346,7 @@ int main(int argc, char** argv) {
   // (its check on the staged values) must give the serial build's tree.
   h.run("rise_anywhere/cpu_parallel_strict_declines", [&] {
     for (int p : kRises) {
+      if (p + 1 >= 1024) continue;
       const BuildIn in = one_rise(p, 1024);
       BuildOut o;
       setenv("KDT_TREE_BUILD", "parallel-strict", 1);
@@ -319,9 +363,10 @@ int main(int argc, char** argv) {
   } else {
     h.run("rise_anywhere/cuda_parallel_vs_serial", [&] {
       for (int p : kRises) {
-        for (int budget : {1024, 300}) {
-          if (p + 1 >= budget) continue;
-          const BuildIn in = one_rise(p, budget);
+        for (const auto& shape : kRiseShapes) {
+          const int K = shape[0], L = shape[1];
+          if (p + 1 >= L * K || (p + 1) % K == 0) continue;  // p + 1 in p's row
+          const BuildIn in = one_rise(p, K, L);
           BuildOut a, b;
           setenv("KDT_TREE_BUILD", "serial", 1);
           if (kdt_status s = build_cpu(in, &a)) return status_message(s, "kdt_tree_build(cpu)");
@@ -331,7 +376,8 @@ int main(int argc, char** argv) {
           if (s) return status_message(s, "kdt_tree_build(cuda)");
           const std::string e = same_build(b, a);
           if (!e.empty())
-            return "rise at " + std::to_string(p) + ", budget " + std::to_string(budget) + ": " + e;
+            return "rise at " + std::to_string(p) + ", K " + std::to_string(K) + ", L " +
+                   std::to_string(L) + ": " + e;
         }
       }
       return std::string();
