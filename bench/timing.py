@@ -225,13 +225,16 @@ def time_cuda_graph(fn: Callable[[], object], calls: int = 20, reps: int = 20,
         c = max(call_s if call_s is not None else first, 1e-7)
         calls = max(1, min(calls, int(budget_s / ((reps + warmup) * c))))
         reps = max(min(reps, min_reps), min(reps, int(budget_s / (calls * c)) - warmup))
+    from engine.native.capture import gc_paused
+
     graph = torch.cuda.CUDAGraph()
-    graph.capture_begin()
-    try:
-        for _ in range(calls):
-            fn()
-    finally:
-        graph.capture_end()
+    with gc_paused():  # no finaliser's cudaFree inside the capture
+        graph.capture_begin()
+        try:
+            for _ in range(calls):
+                fn()
+        finally:
+            graph.capture_end()
     _warm_once(graph.replay, torch.cuda.current_stream().synchronize)
     for _ in range(warmup):
         graph.replay()

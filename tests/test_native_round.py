@@ -201,6 +201,59 @@ def test_profile_times_every_phase_and_changes_nothing(weights, device):
         assert not a.stats.phase_seconds, "the plain engine times no phases"
 
 
+class _CollectsWhileCapturing:
+    """A drafter that runs the cyclic collector inside a CUDA graph capture whenever automatic
+    collection is on: what a busy process's collector may do at that moment (the test keeps it
+    from running anywhere else)."""
+
+    def __init__(self, inner):
+        self.inner, self.depth = inner, inner.depth
+
+    def draft_batch(self, inp, k):
+        import gc
+
+        import torch
+
+        if torch.cuda.is_current_stream_capturing() and gc.isenabled():
+            gc.collect()
+        return self.inner.draft_batch(inp, k)
+
+
+@pytest.mark.cuda
+def test_an_engine_left_to_the_collector_does_not_break_a_capture(weights, cuda_ready):
+    """An Engine held only by a reference cycle is freed when the cyclic collector runs; its
+    cudaFree inside another engine's graph capture invalidated that capture (on the H200, the
+    seventh engine of one process failed that way). The round's capture collects first and
+    keeps the collector off (engine.native.capture): here a collection is offered inside the
+    capture, with such an engine waiting, and the captured rounds still decode AR's tokens."""
+    import gc
+
+    seed = secrets.randbelow(2**31)
+    rng = np.random.default_rng(seed)
+    ctx = f"weights seed {weights[1]}, seed {seed}"
+    eng = engine(weights, "cuda", max_slots=2, max_seq=200, graphs=True)
+    prompts = prompts_for(rng, 2, eng.vocab_size)
+    want = _ar_tokens(eng, prompts, 30)
+    drafter = _CollectsWhileCapturing(eng.block_drafter())
+    threshold = gc.get_threshold()
+    gc.collect()
+    gc.set_threshold(10**9)  # no automatic collection from here but the drafter's
+    try:
+        dead = engine(weights, "cuda", max_slots=1, max_seq=64)
+        dead.cycle = dead
+        del dead
+        slots = [eng.add(p) for p in prompts]
+        got = {s: [] for s in slots}
+        while min(len(v) for v in got.values()) < 30:
+            for s, toks in eng.step("ddtree", 15, drafter).items():
+                got[s].extend(toks)
+    finally:
+        gc.set_threshold(*threshold)
+        gc.collect()
+    for s, w in zip(slots, want):
+        assert got[s][:30] == w[:30], f"{ctx}: slot {s}: DDTree differs from AR"
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 def test_a_round_synchronises_once(weights, cuda_ready, graphs, monkeypatch):

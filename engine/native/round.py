@@ -33,6 +33,7 @@ import numpy as np
 
 from . import tree as native_tree
 from ._lib import Call, library
+from .capture import gc_paused
 
 PHASES = ("draft", "tree", "verify", "accept", "commit", "copy")
 
@@ -168,7 +169,7 @@ class Round:
         self._graphs = []
         for names in groups:
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.eng.graph_pool):
+            with gc_paused(), torch.cuda.graph(g, pool=self.eng.graph_pool):
                 self._run_phases(names)
             self._graphs.append((names, g))
 
