@@ -252,11 +252,11 @@ __device__ void warp_prefetch_l1(const void* p, size_t bytes, int lane) {
 // Warp w of sw stages log-probs [32 P w, 32 P (w + 1)) of every round of 32 P sw into staged
 // (shared memory) and checks each against the next one in its row (ck): P loads in flight per
 // lane before the stores; the next value is lane l + 1's, lane 31's is lane 0's next one, and
-// the warp's last is the next warp's first, which lane 31 loads besides.
+// the warp's last is the next warp's first, which lane 31 loads besides. step32: 32 % K, a
+// lane's column advance from one load to the next.
 template <int P>
 __device__ void stage_check(float* staged, const float* lp, int n_lp, int K, int step32, int w,
                             int sw, int lane, tree::par::Checked& ck) {
-  const int step = step32;  // 32 % K: a lane's column advance from one load to the next
   for (int i0 = 32 * P * w; i0 < n_lp; i0 += 32 * P * sw) {  // uniform in the warp
     float v[P];
 #pragma unroll
@@ -275,7 +275,7 @@ __device__ void stage_check(float* staged, const float* lp, int n_lp, int K, int
         staged[i] = v[k];
         ck.add(v[k], col + 1 < K, lane < 31 ? up : k < P - 1 ? wrap : last);
       }
-      col += step;
+      col += step32;
       if (col >= K) col -= K;
     }
   }
