@@ -345,181 +345,66 @@ struct GpuBlock {
     }
     return base;
   }
-  // The queue's first entries (tree_build_parallel.h, section 1'): the runs of the root's
-  // rank-0 chain, node k (depth k < L) a lane, len(k) its run's length, written to entries 1,
-  // 2, ... in chain order: put(k, parent, e, r) writes rank r of node k (entry `parent`: 0 for
-  // the root, else the first entry of node k - 1's run) into entry e. Every warp counts the
-  // runs itself (no barrier before the writes), and each thread writes a share. *work = 1 + the
-  // total; returns that, or -1 (nothing written) when it would pass cap. pre(t): each thread's
-  // share of other work in the phase. Ends with a barrier.
-  template <class Len, class Put, class Pre>
-  __device__ int chain_runs(int L, int cap, unsigned* work, Len len, Put put, Pre pre) {
-    const int lane = threadIdx.x & 31;
-    pre((int)threadIdx.x);
-    const int c = lane < L ? len(lane) : 0;
-    const int incl = warp_inclusive(c, lane), excl = incl - c;
-    const int total = __shfl_sync(kFull, incl, 31);
-    const bool fits = 1 + total <= cap;
-    if (fits) {
-      for (int x0 = threadIdx.x & ~31; x0 < total; x0 += blockDim.x) {  // uniform in the warp
-        const int x = x0 + lane;
-        int q = 0;  // the last node whose run starts at or before x (runs past L are empty)
-#pragma unroll
-        for (int st = 16; st > 0; st >>= 1) {
-          const int y = __shfl_sync(kFull, excl, q + st);
-          if (y <= x) q += st;
-        }
-        const int qx = __shfl_sync(kFull, excl, q);
-        const int px = __shfl_sync(kFull, excl, q > 0 ? q - 1 : 0);
-        if (x < total) put(q, q > 0 ? 1 + px : 0, 1 + x, x - qx);
-      }
-      if (threadIdx.x == 0) *work = (unsigned)(1 + total);
-    }
-    __syncthreads();
-    return fits ? 1 + total : -1;
-  }
-  // The order's ranks (tree_build_parallel.h, section 3) over a pool of at most kRankMaxPool
-  // entries: for each entry e of [lo, hi) with score[e] >= t (all: every entry), r = the
-  // entries j != e of [lo, hi) with score[j] > score[e], or equal and tie(j, e); out(e, r), and
-  // out(e, -1) for the others. pre(t): each thread's share of other work in the same phase. A
-  // warp an entry (e = lo + w, lo + w + W, ...), a lane a column: each lane holds its columns'
-  // scores in registers (-inf past hi), so an entry costs a compare or two per column and one
-  // reduction, the equal scores counted in its high half: any besides the entry's own send the
-  // warp through tie() for those columns. Returns the entries at or above t (*kept, zero
-  // before); ends with a barrier.
-  template <class Pre, class Tie, class Out>
-  __device__ int ranks(int lo, int hi, const double* score, double t, bool all, unsigned* kept,
-                       Pre pre, Tie tie, Out out) {
-    constexpr int kCols = tree::par::kRankMaxPool / 32;
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    pre((int)threadIdx.x);
-    double col[kCols];
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) {
-      const int j = lo + 32 * c + lane;
-      col[c] = j < hi ? score[j] : -HUGE_VAL;
-    }
-    int mine = 0;  // uniform in the warp
-    for (int e = lo + w; e < hi; e += nw) {
-      const double se = score[e];
-      if (!(all || se >= t)) {
-        if (lane == 0) out(e, -1);
-        continue;
-      }
-      ++mine;
-      int x = 0;
-      unsigned eq = 0;
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) {
-        x += col[c] > se;
-        if (col[c] == se) eq |= 1u << c;
-      }
-      x = (int)__reduce_add_sync(kFull, (unsigned)(x + (__popc(eq) << 16)));
-      int r = x & 0xFFFF;
-      if ((x >> 16) > 1) {  // equal scores besides e's own
-        int y = 0;
-        for (unsigned m = eq; m; m &= m - 1) {
-          const int j = lo + 32 * (__ffs(m) - 1) + lane;
-          y += j != e && tie(j, e);
-        }
-        r += (int)__reduce_add_sync(kFull, (unsigned)y);
-      }
-      if (lane == 0) out(e, r);
-    }
-    if (lane == 0 && mine) atomicAdd(kept, (unsigned)mine);
-    __syncthreads();
-    return (int)*kept;
-  }
-  // The queue (tree_build_parallel.h, section 1'): entries [1, n0) are written (the root
-  // chain's runs). Warp w of W takes the w-th of W equal shares of them as its first batch,
-  // then, batch by batch, the children it wrote itself. An entry heads a chain of steps(i)
-  // nodes at or above t (itself, then rank-0 steps; 0: not a head, its chain's head expands
-  // it), and the batch's items are the chain nodes of its entries, a lane each: item (i, j),
-  // node j of entry i's chain, scores score(i, j) and has a run of len(i, j, s) children, its
-  // rank-0 child being node j + 1. One atomic on *work (the entries allocated) places all the
-  // batch's runs contiguously there in item order, and the children are written flattened, a
-  // child a lane (put(parent, ps, i, j, e, r) writes rank r of item (i, j), entry `parent` of
-  // score ps, into entry e and returns its cand, stored here). A batch of at most 32 entries
-  // and 32 items keeps its items in registers; a larger one counts its runs chunk by chunk
-  // first, then counts again to write them. No entry passes between warps, so no entry waits
-  // on a ready flag or a fence: a __syncwarp orders a batch's writes before the next batch
-  // reads them. Returns the entries allocated, or -1 when they would pass cap (the pool is then
-  // incomplete). *work must hold n0 (written before a barrier). Every thread calls it; it ends
-  // with a barrier. Profiling probes (thread 0: warp 0's batches): 70 after a batch's run
-  // lengths, 71 once its runs are placed, 72 once its children are written.
-  template <class Steps, class Score, class Len, class Put>
-  __device__ int expand(unsigned* work, uint32_t* cand, int n0, int cap, Steps steps,
-                        Score score, Len len, Put put) {
+  // The queue (tree_build_parallel.h, section 1'): entries [1, n0) are written (the root's
+  // run). Warp w of W takes the w-th of W equal shares of them as its first batch, then, batch
+  // by batch, the children it wrote itself: a batch's run lengths (len(i)), one atomic on *work
+  // (the entries allocated) for all its runs, placed contiguously there in batch order, and the
+  // children written flattened, a child a lane (put(i, e, r) writes rank r of entry i into entry
+  // e, score and key, and returns its cand, stored here). No entry passes between warps, so no
+  // entry waits on a ready flag or a fence: a __syncwarp orders a batch's writes before the next
+  // batch reads them. A batch of at most 32 entries keeps its lengths and offsets in registers
+  // (a lane each; the children's runs found by a binary search over the lanes' offsets); a
+  // larger one writes its offsets to off[i] and searches them there. Returns the entries
+  // allocated, or -1 when they would pass cap (the pool is then incomplete). *work must hold n0
+  // (written before a barrier). Every thread calls it; it ends with a barrier. Profiling probes
+  // (thread 0: warp 0's batches, the share that holds the root's rank-0 child): 70 after a
+  // batch's run lengths, 71 once its runs are placed, 72 once its children are written.
+  template <class Len, class Put>
+  __device__ int expand(unsigned* work, uint32_t* cand, int* off, int n0, int cap, Len len,
+                        Put put) {
     const int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-    const int share = (n0 - 1 + nw - 1) / nw;  // of the root chain's runs, a warp's first batch
+    const int share = (n0 - 1 + nw - 1) / nw;  // of the root's run, a warp's first batch
     int lo = 1 + (threadIdx.x >> 5) * share, hi = min(n0, lo + share);  // the batch: [lo, hi)
     while (lo < hi) {
-      // Each chunk of 32 items: f(ok, i, j, s, c), the lane's item (i, j) when ok, its score
-      // and its run's length. Uniform in the warp.
-      auto items = [&](auto f) {
-        for (int e0 = lo; e0 < hi; e0 += 32) {
-          const int ie = e0 + lane;
-          const int m = ie < hi ? steps(ie) : 0;
-          const int mi = warp_inclusive(m, lane), me = mi - m;
-          const int M = __shfl_sync(kFull, mi, 31);
-          for (int q0 = 0; q0 < M; q0 += 32) {
-            const int q = q0 + lane;
-            int p = 0;  // the last lane whose entry's items start at or before q
-#pragma unroll
-            for (int st = 16; st > 0; st >>= 1) {
-              const int y = __shfl_sync(kFull, me, p + st);
-              if (y <= q) p += st;
-            }
-            const int j = q - __shfl_sync(kFull, me, p);
-            const bool ok = q < M;
-            const int i = e0 + p;
-            const double sj = ok ? score(i, j) : 0.0;
-            f(ok, i, j, sj, ok ? len(i, j, sj) : 0);
-          }
-        }
-      };
-      // Pass 1: the batch's total (its items kept when they fit one chunk).
-      int total = 0, chunks = 0;
-      bool k_ok = false;
-      int k_i = 0, k_j = 0, k_c = 0;
-      double k_s = 0.0;
-      items([&](bool ok, int i, int j, double sj, int c) {
-        total += (int)__reduce_add_sync(kFull, (unsigned)c);
-        k_ok = ok; k_i = i; k_j = j; k_s = sj; k_c = c;
-        ++chunks;
-      });
-      mark(70);
-      const int base = place(work, total, lane);
-      if (total == 0 || base + total > cap) break;
-      // Pass 2: each chunk's runs at base + run, the children written.
-      int run = 0, carry = 0;  // carry: the run start of the previous chunk's last item
-      auto write = [&](bool ok, int i, int j, double sj, int c) {
+      const int m = hi - lo;
+      int total, base;
+      if (m <= 32) {
+        const int i = lo + lane;
+        const int c = lane < m ? len(i) : 0;
+        mark(70);
         const int incl = warp_inclusive(c, lane), excl = incl - c;
-        const int start = base + run + excl;
-        const int up = __shfl_up_sync(kFull, start, 1);
-        const int parent = j == 0 ? i : lane > 0 ? up : carry;  // node j: item j - 1's rank 0
-        const int tc = __shfl_sync(kFull, incl, 31);
-        for (int k0 = 0; k0 < tc; k0 += 32) {
+        total = __shfl_sync(kFull, incl, 31);
+        base = place(work, total, lane);
+        if (total == 0 || base + total > cap) break;
+        for (int k0 = 0; k0 < total; k0 += 32) {
           const int k = k0 + lane;
-          int x = 0;  // the last lane whose run starts at or before k
+          int q = 0;  // the last lane whose run starts at or before k
 #pragma unroll
           for (int st = 16; st > 0; st >>= 1) {
-            const int y = __shfl_sync(kFull, excl, x + st);
-            if (y <= k) x += st;
+            const int x = __shfl_sync(kFull, excl, q + st);
+            if (x <= k) q += st;
           }
-          const int xi = __shfl_sync(kFull, i, x), xj = __shfl_sync(kFull, j, x);
-          const int xp = __shfl_sync(kFull, parent, x), xe = __shfl_sync(kFull, excl, x);
-          const double xs = __shfl_sync(kFull, sj, x);
-          if (k < tc) cand[base + run + k] = put(xp, xs, xi, xj, base + run + k, k - xe);
+          const int qi = __shfl_sync(kFull, i, q), qx = __shfl_sync(kFull, excl, q);
+          if (k < total) cand[base + k] = put(qi, base + k, k - qx);
         }
-        (void)ok;
-        carry = __shfl_sync(kFull, start, 31);
-        run += tc;
-      };
-      if (chunks == 1 && hi - lo <= 32) {
-        write(k_ok, k_i, k_j, k_s, k_c);
       } else {
-        items(write);
+        int run = 0;
+        for (int j0 = 0; j0 < m; j0 += 32) {
+          const int j = j0 + lane;
+          const int c = j < m ? len(lo + j) : 0;
+          const int incl = warp_inclusive(c, lane);
+          if (j < m) off[lo + j] = run + incl - c;
+          run += __shfl_sync(kFull, incl, 31);
+        }
+        mark(70);
+        total = run;
+        base = place(work, total, lane);
+        if (total == 0 || base + total > cap) break;
+        __syncwarp();  // the offsets are visible to every lane
+        for (int k = lane; k < total; k += 32) {
+          const int i = tree::par::last_pass(lo, hi, [&](int x) { return off[x] <= k; });
+          cand[base + k] = put(i, base + k, k - off[i]);
+        }
       }
       __syncwarp();  // the children are visible to every lane: the next batch
       mark(72);

@@ -64,71 +64,20 @@ struct CpuBlock {
     for (int t = 0; t < T; ++t) f(t);
 #endif
   }
-  // The queue in order: entry i's chain expanded after entries 1 .. i - 1's (a breadth-first
-  // order; the CUDA block's order depends on its schedule, and the build does not depend on it).
-  template <class Steps, class Score, class Len, class Put>
-  KDT_HD int expand(unsigned*, uint32_t* cand, int n0, int cap, Steps steps, Score score,
-                    Len len, Put put) {
+  // The queue in order: entry i expanded after entries 1 .. i - 1 (a breadth-first order; the
+  // CUDA block's order depends on its schedule, and the build does not depend on it).
+  template <class Len, class Put>
+  KDT_HD int expand(unsigned*, uint32_t* cand, int*, int n0, int cap, Len len, Put put) {
     int a = n0;
 #if !defined(__CUDA_ARCH__)
     for (int i = 1; i < a; ++i) {
-      const int m = steps(i);
-      int parent = i;
-      for (int j = 0; j < m; ++j) {
-        const double sj = score(i, j);
-        const int c = len(i, j, sj);
-        if (a + c > cap) return -1;
-        for (int r = 0; r < c; ++r) cand[a + r] = put(parent, sj, i, j, a + r, r);
-        parent = a;  // node j + 1: this run's rank 0
-        a += c;
-      }
+      const int c = len(i);
+      if (a + c > cap) return -1;
+      for (int r = 0; r < c; ++r) cand[a + r] = put(i, a + r, r);
+      a += c;
     }
 #endif
     return a;
-  }
-  // The runs of the root's rank-0 chain in chain order (Block::chain_runs in tree_build.cu).
-  template <class Len, class Put, class Pre>
-  KDT_HD int chain_runs(int L, int cap, unsigned* work, Len len, Put put, Pre pre) {
-    int a = 1;
-#if !defined(__CUDA_ARCH__)
-    for (int x = 0; x < T; ++x) pre(x);
-    int lens[32];
-    for (int k = 0; k < L; ++k) {
-      lens[k] = len(k);
-      a += lens[k];
-    }
-    if (a > cap) return -1;
-    int e = 1, parent = 0;
-    for (int k = 0; k < L; ++k) {
-      const int first = e;
-      for (int r = 0; r < lens[k]; ++r) put(k, parent, e++, r);
-      parent = first;
-    }
-    *work = (unsigned)a;
-#endif
-    return a;
-  }
-  // The order's ranks, entry by entry (Block::ranks in tree_build.cu).
-  template <class Pre, class Tie, class Out>
-  KDT_HD int ranks(int lo, int hi, const double* score, double t, bool all, unsigned*, Pre pre,
-                   Tie tie, Out out) {
-    int kept = 0;
-#if !defined(__CUDA_ARCH__)
-    for (int x = 0; x < T; ++x) pre(x);
-    for (int e = lo; e < hi; ++e) {
-      const double se = score[e];
-      if (!(all || se >= t)) {
-        out(e, -1);
-        continue;
-      }
-      ++kept;
-      int r = 0;
-      for (int j = lo; j < hi; ++j)
-        r += score[j] > se || (score[j] == se && j != e && tie(j, e));
-      out(e, r);
-    }
-#endif
-    return kept;
   }
   KDT_HD int scan(int* a, int m) {
 #if !defined(__CUDA_ARCH__)
