@@ -345,6 +345,79 @@ struct GpuBlock {
     }
     return base;
   }
+  // The order's ranks (tree_build_parallel.h, section 3) over a pool of at most kRankMaxPool
+  // entries: for each entry e of [lo, hi) with score[e] >= t (all: every entry), r = the
+  // entries j != e of [lo, hi) with score[j] > score[e], or equal and tie(j, e); out(e, r), and
+  // out(e, -1) for the others. pre(t): each thread's share of other work in the same phase. A
+  // warp an entry (e = lo + w, lo + w + W, ...), a lane a column: each lane holds its columns'
+  // scores in registers (-inf past hi), so an entry costs a compare or two per column and one
+  // reduction, the equal scores counted in its high half: any besides the entry's own send the
+  // warp through tie() for those columns. Four entries an iteration: one entry's chain of a
+  // load, the compares and the reduction took ~350 cycles (H200, KDT_PAR_PROFILE, budget 63),
+  // one with a tie ~800. Returns the entries at or above t (*kept, zero before); ends with a
+  // barrier.
+  template <class Pre, class Tie, class Out>
+  __device__ int ranks(int lo, int hi, const double* score, double t, bool all, unsigned* kept,
+                       Pre pre, Tie tie, Out out) {
+    constexpr int kCols = tree::par::kRankMaxPool / 32;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    pre((int)threadIdx.x);
+    double col[kCols];
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      const int j = lo + 32 * c + lane;
+      col[c] = j < hi ? score[j] : -HUGE_VAL;
+    }
+    int mine = 0;  // uniform in the warp
+    // kEnt entries an iteration (e0, e0 + W, ...): their counts and reductions independent.
+    constexpr int kEnt = 4;
+    for (int e0 = lo + w; e0 < hi; e0 += kEnt * nw) {
+      double se[kEnt];
+      int x[kEnt];
+      unsigned eq[kEnt];
+#pragma unroll
+      for (int u = 0; u < kEnt; ++u) {
+        const int e = e0 + u * nw;
+        se[u] = e < hi ? score[e] : HUGE_VAL;  // past hi: no column counts
+        x[u] = 0;
+        eq[u] = 0;
+      }
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) {
+#pragma unroll
+        for (int u = 0; u < kEnt; ++u) {
+          x[u] += col[c] > se[u];
+          if (col[c] == se[u]) eq[u] |= 1u << c;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kEnt; ++u)
+        x[u] = (int)__reduce_add_sync(kFull, (unsigned)(x[u] + (__popc(eq[u]) << 16)));
+#pragma unroll
+      for (int u = 0; u < kEnt; ++u) {
+        const int e = e0 + u * nw;
+        if (e >= hi) break;
+        if (!(all || se[u] >= t)) {
+          if (lane == 0) out(e, -1);
+          continue;
+        }
+        ++mine;
+        int r = x[u] & 0xFFFF;
+        if ((x[u] >> 16) > 1) {  // equal scores besides e's own
+          int y = 0;
+          for (unsigned m = eq[u]; m; m &= m - 1) {
+            const int j = lo + 32 * (__ffs(m) - 1) + lane;
+            y += j != e && tie(j, e);
+          }
+          r += (int)__reduce_add_sync(kFull, (unsigned)y);
+        }
+        if (lane == 0) out(e, r);
+      }
+    }
+    if (lane == 0 && mine) atomicAdd(kept, (unsigned)mine);
+    __syncthreads();
+    return (int)*kept;
+  }
   // The queue (tree_build_parallel.h, section 1'): entries [1, n0) are written (the root's
   // run). Warp w of W takes the w-th of W equal shares of them as its first batch, then, batch
   // by batch, the children it wrote itself: a batch's run lengths (len(i)), one atomic on *work
