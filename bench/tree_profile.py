@@ -37,8 +37,7 @@ PHASES = {
     5: "histogram pass", 3: "first threshold", 6: "queue: the root's run", 7: "queue: drained",
     70: "queue: a batch's run lengths", 71: "queue: its runs placed",
     72: "queue: its children written",
-    80: "order: buckets", 81: "order: ranks (a small pool: the whole order)",
-    85: "order: placed", 82: "nodes", 96: "slots",
+    80: "order: buckets", 81: "order: ranks", 85: "order: placed", 82: "nodes", 96: "slots",
     97: "visibility zeroed", 99: "visibility rows",
 }
 LEVEL_PHASES = {1: "runs", 2: "write", 3: "bound check"}

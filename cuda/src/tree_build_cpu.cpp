@@ -79,28 +79,6 @@ struct CpuBlock {
 #endif
     return a;
   }
-  // The order's ranks, entry by entry (Block::ranks in tree_build.cu).
-  template <class Pre, class Tie, class Out>
-  KDT_HD int ranks(int lo, int hi, const double* score, double t, bool all, unsigned*, Pre pre,
-                   Tie tie, Out out) {
-    int kept = 0;
-#if !defined(__CUDA_ARCH__)
-    for (int x = 0; x < T; ++x) pre(x);
-    for (int e = lo; e < hi; ++e) {
-      const double se = score[e];
-      if (!(all || se >= t)) {
-        out(e, -1);
-        continue;
-      }
-      ++kept;
-      int r = 0;
-      for (int j = lo; j < hi; ++j)
-        r += score[j] > se || (score[j] == se && j != e && tie(j, e));
-      out(e, r);
-    }
-#endif
-    return kept;
-  }
   KDT_HD int scan(int* a, int m) {
 #if !defined(__CUDA_ARCH__)
     int s = 0;

@@ -40,18 +40,20 @@
 //      above t would not fit beside the stale ones. Compaction goes into the pool's second
 //      copy, or, where shared memory holds one copy only (Arrays::twin; sm_120 at large
 //      budgets), in place through a small buffer, a round at a time.
-//   3. The kept nodes are ordered by (score desc, rank path asc): in a pool of at most
-//      kRankMaxPool entries by counting each one's rank over the whole pool (one phase: a warp
-//      an entry, a lane a column, Block::ranks), in a larger one by a bucket sort on the score
-//      (order_bins: 1024 buckets, or 4096 for a pool above 2048), ranks counted inside a
-//      bucket; the first B are nodes 1..B. Parents and child lists (prepend rule) follow from
+//   3. The kept nodes are ordered by (score desc, rank path asc): a bucket sort on the score
+//      (order_bins: 1024 buckets, or 4096 for a pool above 2048), ranks counted inside
+//      a bucket; the first B are nodes 1..B. (Counting each kept entry's rank over the whole
+//      pool instead, one phase with no buckets, for pools up to 256 entries: H200, bench.tree_ab,
+//      1.07x at bs 1 and 1.20x at bs 64, budget 63, 1.25-1.30x at 127, with a branch-free loop
+//      unrolled 4 times; its phase took 5.6k cycles at budget 63, bs 64, against 4.5k for the
+//      bucket sort's three.) Parents and child lists (prepend rule) follow from
 //      the order: a run is contiguous, so a node's left sibling is the entry before it.
 // Masses of exact ties that overflow the pool even so are declined as well.
 //
 // The Block (tree_build.cu's GpuBlock, tree_build_cpu.cpp's CpuBlock) runs each phase for every
 // thread then synchronises (run), and provides the collectives (an exclusive scan, run lengths
 // with their offsets, a suffix pick over a histogram, the chain prefix sums, the queue of
-// section 1': expand, and the order's ranks, each ending with a barrier); mark(id) is a
+// section 1': expand, which ends with a barrier); mark(id) is a
 // profiling probe (clock64 on the GPU when built with KDT_PAR_PROFILE, else nothing; an id
 // names the phase that ends there, level d's are 100 + d, 200 + d and 300 + d; see
 // bench/tree_profile.py). Code outside run() is uniform: it runs once on the CPU and on every
@@ -103,18 +105,6 @@ KDT_HD int pool_capacity(int budget) {
 // entries) 1.00-1.01x, so it keeps 1024. The power-of-two buckets came with the exact bins
 // (Bins), and were measured with them (see Bins).
 KDT_HD int order_bins(int cap) { return cap > 2048 ? 4 * kOrderBins : kOrderBins; }
-
-// Pools of at most this many entries are ordered by counting each entry's rank over the whole
-// pool (Block::ranks: a warp an entry, a lane a column, the columns' scores in registers: one
-// phase), larger ones by a bucket sort (order_bins; three phases and a scan). A multiple of 32.
-// (A thread an entry instead, each looping over the whole pool, measured 1.07-1.30x against the
-// bucket sort at budgets 63 and 127: its phase took 5.6k cycles at bs 64, budget 63, with only
-// the kept entries' threads busy.)
-#ifndef KDT_RANK_MAX_POOL
-#define KDT_RANK_MAX_POOL 256
-#endif
-constexpr int kRankMaxPool = KDT_RANK_MAX_POOL;
-static_assert(kRankMaxPool % 32 == 0 && kRankMaxPool < (1 << 15), "Block::ranks' columns");
 
 // Ranks of the first bound's chain deviations, (0, ..., 0, r) for r < family_ranks (build,
 // section 0): every rank a budget can select, except that the queue's budgets take 32 at most.
@@ -341,7 +331,6 @@ struct Shared {
   unsigned long long pmin;  // ordered minimum of the pool's scores (before t exists)
   unsigned long long rmin;  // ordered minimum of a level's run tails (before t exists)
   unsigned work;            // the queue (Block::expand): entries allocated
-  unsigned ranked;          // the order's entries at or above t (Block::ranks)
 };
 
 // One copy of the pool (compaction writes the other one).
@@ -397,7 +386,6 @@ KDT_HD void init(Shared& S) {
   S.pmin = ~0ull;
   S.rmin = ~0ull;
   S.work = 0;
-  S.ranked = 0;
 }
 
 // Result arrays (node order), shared with the serial fallback.
@@ -1000,102 +988,80 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
     }
     blk.mark(300 + d);
   }
-  // ---- 3. the order: node r + 1 is the entry of rank r among those at or above t ------------
+  // ---- 3. the order: buckets by score (a bucket sort), ranks counted inside a bucket --------
   const int n = le;
   const Pool P = A.pool(c);
   const bool all = !bd.has;
   const double tt = bd.t;
-  int used;
-  if (n <= kRankMaxPool) {
-    // A small pool: each entry's rank counted over the whole pool in one phase (Block::ranks: a
-    // warp an entry, a lane a column), inv and order written by its counter; the first budget +
-    // 1 child lists start empty (the nodes phase links them, a phase later).
-    const int kept_n = blk.ranks(
-        1, n, P.score, tt, all, &S.ranked,
-        [&](int t) {
-          if (t == 0) A.inv[0] = 0;
-          for (int i = t; i <= budget; i += T) N.first_child[i] = -1;
-        },
-        [&](int j, int e) { return before(P, A.key_depth, j, e); },
-        [&](int e, int r) {
-          const bool in = r >= 0 && r < budget;
-          A.inv[e] = in ? (int16_t)(r + 1) : (int16_t)0;
-          if (in) A.order[r] = (uint16_t)e;
-        });
-    used = (kept_n < budget ? kept_n : budget) + 1;
-    blk.mark(81);
-  } else {
-    // Buckets by score (a bucket sort), ranks counted inside a bucket.
-    const double lo = all ? unordered(S.pmin) : tt;
+  const double lo = all ? unordered(S.pmin) : tt;
 #if defined(__CUDA_ARCH__)
-    Bins bins;
+  Bins bins;
 #else
-    Bins bins{};  // read only when spread; g++ (-Wmaybe-uninitialized) cannot see that
+  Bins bins{};  // read only when spread; g++ (-Wmaybe-uninitialized) cannot see that
 #endif
-    const int mord = C.mord;  // nord = 2^mord buckets
-    const bool spread = n > 1 && make_bins(lo, top, mord, lsb, bins);
-    // hist's bins above kBins are still zero from the first phase; its first kBins are too
-    // unless a refinement ran after the last level's write.
-    if (!hist_clean) {
-      blk.run([&](int t) {
-        for (int i = t; i < kBins; i += T) A.hist[i] = 0;
-      });
-    }
+  const int mord = C.mord;  // nord = 2^mord buckets
+  const bool spread = n > 1 && make_bins(lo, top, mord, lsb, bins);
+  // hist's bins above kBins are still zero from the first phase; its first kBins are too
+  // unless a refinement ran after the last level's write.
+  if (!hist_clean) {
     blk.run([&](int t) {
-      if (t == 0) A.inv[0] = 0;
-      for (int e = 1 + t; e < n; e += T) {
-        A.inv[e] = 0;
-        const double s = P.score[e];
-        if (!(all || s >= tt)) { A.cnt[e] = -1; continue; }
-        const int bk = spread ? bins.nb - 1 - bins.of(s) : 0;  // bucket 0: the best scores
-        A.cnt[e] = (bk << 16) | hist_add(A.hist, bk);
-      }
+      for (int i = t; i < kBins; i += T) A.hist[i] = 0;
     });
-    const int kept_n = blk.scan(A.hist, A.nord);  // hist: each bucket's first position
-    blk.mark(80);
-    // Bucket by bucket: the entries (srt), and with two copies their scores and keys beside them
-    // in the other one (free now), so that counting an entry's rank in its bucket reads
-    // independent values; with one copy the count reads them through srt.
-    const bool twin = A.twin;
-    const Pool Q = twin ? A.pool(c ^ 1) : P;
-    blk.run([&](int t) {
-      for (int e = 1 + t; e < n; e += T) {
-        const int v = A.cnt[e];
-        if (v < 0) continue;
-        const int q = A.hist[v >> 16] + (v & 0xFFFF);
-        A.srt[q] = (uint16_t)e;
-        if (twin) {
-          Q.score[q] = P.score[e];
-          Q.key[q] = P.key[e];
-        }
-      }
-    });
-    blk.mark(85);
-    used = (kept_n < budget ? kept_n : budget) + 1;
-    blk.run([&](int t) {
-      // Every node's child list starts empty (the nodes phase then links the parents: written
-      // here, a phase ahead, so that the two writes to a parent's first_child are ordered).
-      for (int i = t; i < used; i += T) N.first_child[i] = -1;
-      for (int q = t; q < kept_n; q += T) {
-        const int e = A.srt[q], bk = A.cnt[e] >> 16;
-        const int b0 = A.hist[bk], b1 = bk + 1 < A.nord ? A.hist[bk + 1] : kept_n;
-        const int y = twin ? q : e;
-        const double se = Q.score[y];
-        const uint64_t ke = Q.key[y];
-        int r = b0;
-        for (int k = b0; k < b1; ++k) {  // before(), the scores and keys first
-          const int x = twin ? k : A.srt[k];
-          const double sk = Q.score[x];
-          if (sk != se) { r += sk > se; continue; }
-          const uint64_t kk = Q.key[x];
-          if (kk != ke) { r += kk < ke; continue; }
-          r += k != q && before(P, A.key_depth, A.srt[k], e);
-        }
-        if (r < budget) { A.inv[e] = (int16_t)(r + 1); A.order[r] = (uint16_t)e; }
-      }
-    });
-    blk.mark(81);
   }
+  blk.run([&](int t) {
+    if (t == 0) A.inv[0] = 0;
+    for (int e = 1 + t; e < n; e += T) {
+      A.inv[e] = 0;
+      const double s = P.score[e];
+      if (!(all || s >= tt)) { A.cnt[e] = -1; continue; }
+      const int bk = spread ? bins.nb - 1 - bins.of(s) : 0;  // bucket 0: the best scores
+      A.cnt[e] = (bk << 16) | hist_add(A.hist, bk);
+    }
+  });
+  const int kept_n = blk.scan(A.hist, A.nord);  // hist: each bucket's first position
+  blk.mark(80);
+  // Bucket by bucket: the entries (srt), and with two copies their scores and keys beside them in
+  // the other one (free now), so that counting an entry's rank in its bucket reads independent
+  // values; with one copy the count reads them through srt.
+  const bool twin = A.twin;
+  const Pool Q = twin ? A.pool(c ^ 1) : P;
+  blk.run([&](int t) {
+    for (int e = 1 + t; e < n; e += T) {
+      const int v = A.cnt[e];
+      if (v < 0) continue;
+      const int q = A.hist[v >> 16] + (v & 0xFFFF);
+      A.srt[q] = (uint16_t)e;
+      if (twin) {
+        Q.score[q] = P.score[e];
+        Q.key[q] = P.key[e];
+      }
+    }
+  });
+  blk.mark(85);
+  const int used = (kept_n < budget ? kept_n : budget) + 1;
+  blk.run([&](int t) {
+    // Every node's child list starts empty (the nodes phase then links the parents: written
+    // here, a phase ahead, so that the two writes to a parent's first_child are ordered).
+    for (int i = t; i < used; i += T) N.first_child[i] = -1;
+    for (int q = t; q < kept_n; q += T) {
+      const int e = A.srt[q], bk = A.cnt[e] >> 16;
+      const int b0 = A.hist[bk], b1 = bk + 1 < A.nord ? A.hist[bk + 1] : kept_n;
+      const int y = twin ? q : e;
+      const double se = Q.score[y];
+      const uint64_t ke = Q.key[y];
+      int r = b0;
+      for (int k = b0; k < b1; ++k) {  // before(), the scores and keys first
+        const int x = twin ? k : A.srt[k];
+        const double sk = Q.score[x];
+        if (sk != se) { r += sk > se; continue; }
+        const uint64_t kk = Q.key[x];
+        if (kk != ke) { r += kk < ke; continue; }
+        r += k != q && before(P, A.key_depth, A.srt[k], e);
+      }
+      if (r < budget) { A.inv[e] = (int16_t)(r + 1); A.order[r] = (uint16_t)e; }
+    }
+  });
+  blk.mark(81);
   // ---- nodes: order[r] is the entry of node r + 1 (one phase) -------------------------------
   blk.run([&](int t) {
     if (t == 0) { N.score[0] = 0.0; N.cand[0] = 0; N.next_sibling[0] = -1; }
