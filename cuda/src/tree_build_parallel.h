@@ -46,7 +46,10 @@
 //      pool instead, one phase with no buckets, for pools up to 256 entries: H200, bench.tree_ab,
 //      1.07x at bs 1 and 1.20x at bs 64, budget 63, 1.25-1.30x at 127, with a branch-free loop
 //      unrolled 4 times; its phase took 5.6k cycles at budget 63, bs 64, against 4.5k for the
-//      bucket sort's three.) Parents and child lists (prepend rule) follow from
+//      bucket sort's three. A warp an entry and a lane a column instead, the columns' scores
+//      in registers: 1.32x at bs 64 and 1.13x at bs 1, budget 63, ~350 cycles an entry in
+//      series in its warp, ~800 with a tie; four entries an iteration was slower still:
+//      8f7e796 and 7e71da8, reverted.) Parents and child lists (prepend rule) follow from
 //      the order: a run is contiguous, so a node's left sibling is the entry before it.
 // Masses of exact ties that overflow the pool even so are declined as well.
 //
@@ -633,6 +636,10 @@ KDT_HD double child_score(const float* row, double s, int r, int d) {
 // cycles a level: ~200 to see the entry, ~200 for its run length, ~400 to allocate, ~550 to
 // write a child, behind a fence): H200, bench.tree_ab against it, budget 63 0.94x at bs 64,
 // 0.96x at bs 1024, 0.99-1.00x at bs 1, 4 and 256, 1.02x at bs 16; budget 47 0.98-0.99x.
+// Expanding whole rank-0 chains at once (an entry's chain nodes scored from the chain's prefix
+// sums, their runs placed together; the root's chain by the block) cut the batches on paper
+// but cost 2.5-3.0k cycles a batch before its allocation: with the order above, 1.81x at bs 64,
+// budget 63 (8f7e796, reverted).
 
 // The exactness check's verdict over some log-probs: kAnomaly | kInexact, and the lowest set
 // bit and the top bit exponents of the nonzero ones (1 << 30 and -(1 << 30) when there are none).
