@@ -56,6 +56,8 @@ constexpr int kMaxBudget = 32 * kMaxSlots - 1;  // 1023: the largest budget this
 // budget 15 and 1.33x at 63 against the earlier, branching pop: 390 instructions a pop, moving
 // and selecting whole entries per slot.
 constexpr int kAutoMaxBudget = 31;
+// Up to this many slots a lane (budget 63) the build takes the lean pop (build_lean).
+constexpr int kLeanMaxSlots = 2;
 // Up to here the build also makes the nodes' visibility rows (WarpNodes::mask: 64 bits a row).
 constexpr int kMaskMaxBudget = 63;
 
@@ -315,11 +317,204 @@ KDT_WARP_UNROLL
   return count + 1;
 }
 
+// ---- The lean pop: up to two slots a lane (budgets up to 63) -----------------------------
+//
+// The same order as build() (score descending, then rank path ascending), with a shorter pop:
+//   - each lane keeps, beside its best entry, the log-probs that entry's sibling and child
+//     scores add (lean_loads, issued at the end of a pop), so the next pop computes both
+//     successor scores while its reduction is in flight, and the winner takes its new entry
+//     from its own registers: the chain from one reduction to the next is the reduction, one
+//     round of shuffles (the winner's candidate and child score, for the lane that takes the
+//     child), and a few selects;
+//   - no rank-path keys: an exact score tie (rare: about 1 pop in 100 at budget 15 and 1 in 10
+//     at 63 on the bench's tie-heavy inputs) compares the rank paths themselves (compare_paths,
+//     through node_cand, which every lane writes, so each lane reads its own writes);
+//   - node scores and next_sibling are stored by the winning lane alone (read after the final
+//     barrier).
+template <int S>
+struct LeanLane {
+  double sc[S];      // S = 2: the slots (S = 1 keeps its one entry in the best fields)
+  uint32_t cand[S];  // 0: an empty slot
+  int prev[S];
+  double bsc;        // the best entry: score, candidate (0: none), left sibling's node, slot
+  uint32_t bcand;
+  int bprev, bk;
+  uint32_t bhi;      // ord(bsc) >> 32; 0 when the lane holds no entry
+  double la, lb, lc; // lp[d-1][r], lp[d-1][r+1], lp[d][0] of the best (r, d); indices clamped
+  double ss, cs;     // its sibling's and child's scores
+  uint32_t shi, chi; // their ord >> 32
+};
+
+// ord(x) >> 32 (ord: the order-preserving image), without the low half.
+KDT_HD uint32_t ord_hi(double x) {
+  const uint32_t h = (uint32_t)(bits(x) >> 32);
+  return x == 0.0 ? 0x80000000u : ((h >> 31) ? ~h : (h | 0x80000000u));
+}
+
+template <int S, class T>
+KDT_HD void lean_loads(LeanLane<S>& x, const T* lp, int L, int K) {
+  const int d = cand_depth(x.bcand), r = cand_rank(x.bcand);
+  const int at = d > 0 ? (d - 1) * K + r : 0;
+  x.la = (double)lp[at];
+  x.lb = (double)lp[r + 1 < K ? at + 1 : at];
+  x.lc = (double)lp[d > 0 && d < L ? d * K : 0];
+}
+
+// S = 2: the lane's best slot after a slot changed (scores by their images, then rank paths).
+template <int S>
+KDT_HD void lean_rescan(LeanLane<S>& x, const uint32_t* nc) {
+  x.bk = -1;
+  x.bcand = 0;
+  x.bhi = 0;
+  uint64_t bu = 0;
+KDT_WARP_UNROLL
+  for (int k = 0; k < S; ++k) {
+    if (x.cand[k] == 0) continue;
+    const uint64_t u = ord(x.sc[k]);
+    if (x.bk < 0 || u > bu || (u == bu && compare_paths(x.cand[k], x.bcand, nc) < 0)) {
+      x.bk = k;
+      bu = u;
+      x.bsc = x.sc[k];
+      x.bcand = x.cand[k];
+      x.bprev = x.prev[k];
+    }
+  }
+  x.bhi = x.bk < 0 ? 0u : (uint32_t)(bu >> 32);
+}
+
+// The winner among the lanes of m (more than one share the reduction's 27 bits): the highest
+// full image, then the smaller rank path, lane pair by lane pair. Returns its lane's mask.
+template <int S, class Warp>
+KDT_HD uint32_t lean_tie(Warp& w, uint32_t m, const uint32_t* nc) {
+  const uint32_t hi = w.max([m](const LeanLane<S>& x, int l) {
+    return (m >> l) & 1u ? x.bhi : 0u;
+  });
+  m = w.ballot([m, hi](const LeanLane<S>& x, int l) { return ((m >> l) & 1u) && x.bhi == hi; });
+  if (popc32(m) < 2) return m;
+  const uint32_t lo = w.max([m](const LeanLane<S>& x, int l) {
+    return (m >> l) & 1u ? (uint32_t)ord(x.bsc) : 0u;
+  });
+  m = w.ballot([m, lo](const LeanLane<S>& x, int l) {
+    return ((m >> l) & 1u) && (uint32_t)ord(x.bsc) == lo;
+  });
+  if (popc32(m) < 2) return m;
+  int wl = ffs32(m);
+  uint32_t wc = w.shfl([](const LeanLane<S>& x, int) { return x.bcand; }, wl);
+  for (uint32_t rest = m & (m - 1); rest; rest &= rest - 1) {
+    const int l = ffs32(rest);
+    const uint32_t c = w.shfl([](const LeanLane<S>& x, int) { return x.bcand; }, l);
+    if (compare_paths(c, wc, nc) < 0) { wl = l; wc = c; }
+  }
+  return 1u << wl;
+}
+
+// build() with the lean pop, for S <= 2 (budget <= 32 S - 1); Warp's lanes are LeanLane<S>.
+template <int S, class Warp, class T>
+KDT_HD int build_lean(Warp& w, const T* lp, int L, int K, int budget, const WarpNodes& N) {
+  static_assert(S == 1 || S == 2, "the lean pop takes one or two slots a lane");
+  const uint32_t* nc = N.cand;
+  w.each([&](LeanLane<S>& x, int lane) {
+KDT_WARP_UNROLL
+    for (int k = 0; k < S; ++k) x.cand[k] = 0;
+    x.bk = -1;
+    x.bcand = 0;
+    x.bhi = 0;
+    x.bsc = 0.0;
+    x.bprev = -1;
+    if (lane == 0) {
+      x.sc[0] = (double)lp[0];
+      x.cand[0] = pack(0, 0, 1);
+      x.prev[0] = -1;
+      x.bk = 0;
+      x.bsc = x.sc[0];
+      x.bcand = x.cand[0];
+      x.bhi = ord_hi(x.bsc);
+    }
+    N.cand[0] = 0;
+    N.score[0] = 0.0;
+    N.first_child[0] = -1;
+    N.next_sibling[0] = -1;
+    if (N.mask) N.mask[0] = 1ull;
+    lean_loads(x, lp, L, K);
+  });
+  int F = 1, hw = 1, count = 0;  // frontier size, high-water slot, pops: uniform
+  while (F > 0 && count < budget) {
+    const uint32_t mx = w.max([](const LeanLane<S>& x, int lane) {
+      return (x.bhi & ~31u) | (31u - (uint32_t)lane);
+    });
+    // The successors' scores, in float64 as the reference adds them (DDTREE.md section 2),
+    // while the reduction is in flight.
+    w.each([](LeanLane<S>& x, int) {
+      x.ss = (x.bsc - x.la) + x.lb;
+      x.cs = x.bsc + x.lc;
+      x.shi = ord_hi(x.ss);
+      x.chi = ord_hi(x.cs);
+    });
+    int wl = 31 - (int)(mx & 31u);
+    const uint32_t m = w.ballot([mx](const LeanLane<S>& x, int) {
+      return (x.bhi & ~31u) == (mx & ~31u);
+    });
+    if (popc32(m) > 1) wl = ffs32(lean_tie<S>(w, m, nc));
+    const uint32_t cand = w.shfl([](const LeanLane<S>& x, int) { return x.bcand; }, wl);
+    const uint32_t clo = w.shfl([](const LeanLane<S>& x, int) { return (uint32_t)bits(x.cs); }, wl);
+    const uint32_t chh =
+        w.shfl([](const LeanLane<S>& x, int) { return (uint32_t)(bits(x.cs) >> 32); }, wl);
+    const uint32_t chi = w.shfl([](const LeanLane<S>& x, int) { return x.chi; }, wl);
+    const int parent = cand_parent(cand), rank = cand_rank(cand), depth = cand_depth(cand);
+    const int i = ++count;
+    const bool sib = rank + 1 < K, child = depth < L, both = sib && child;
+    const double cs = from_bits(((uint64_t)chh << 32) | clo);
+    const uint32_t ccand = pack(i, 0, depth + 1);
+    const int hl = hw & 31, hs = hw >> 5;
+    w.each([&](LeanLane<S>& x, int lane) {
+      N.cand[i] = cand;  // every lane (compare_paths reads each lane's own writes)
+      N.first_child[i] = -1;
+      N.first_child[parent] = (int16_t)i;  // the prepend rule
+      if (N.mask) N.mask[i] = N.mask[parent] | (1ull << i);
+      const bool mw = lane == wl, mh = both && lane == hl;
+      if (mw) {
+        N.score[i] = x.bsc;
+        N.next_sibling[i] = (int16_t)x.bprev;  // the rank - 1 sibling
+      }
+      // The winner's entry becomes its sibling, else its child, else nothing: from its own
+      // registers (its candidate is `cand`), so this waits for no shuffle.
+      const int xr = cand_rank(x.bcand), xd = cand_depth(x.bcand);
+      const bool xs = xr + 1 < K, xc = xd < L;
+      const double nsc = xs ? x.ss : x.cs;
+      const uint32_t nhi = xs ? x.shi : (xc ? x.chi : 0u);
+      const uint32_t ncand =
+          xs ? pack(cand_parent(x.bcand), xr + 1, xd) : (xc ? pack(i, 0, xd + 1) : 0u);
+      const int nprev = xs ? i : -1;
+      if (S == 1) {
+        x.bsc = mw ? nsc : (mh ? cs : x.bsc);
+        x.bhi = mw ? nhi : (mh ? chi : x.bhi);
+        x.bcand = mw ? ncand : (mh ? ccand : x.bcand);
+        x.bprev = mw ? nprev : (mh ? -1 : x.bprev);
+      } else {
+        const int wk = x.bk;
+KDT_WARP_UNROLL
+        for (int k = 0; k < S; ++k) {
+          const bool pw = mw && k == wk, ph = mh && k == hs;
+          x.sc[k] = pw ? nsc : (ph ? cs : x.sc[k]);
+          x.cand[k] = pw ? ncand : (ph ? ccand : x.cand[k]);
+          x.prev[k] = pw ? nprev : (ph ? -1 : x.prev[k]);
+        }
+        if (mw || mh) lean_rescan(x, nc);
+      }
+      lean_loads(x, lp, L, K);
+    });
+    F += (sib ? 1 : 0) + (child ? 1 : 0) - 1;
+    if (both) ++hw;
+  }
+  w.sync();
+  return count + 1;
+}
+
 // The CPU stand-in for a warp: 32 lane states; each() runs the lanes one after another, the
 // collectives loop over the lanes (a shuffle evaluates its source lane only).
-template <int S>
+template <class X>
 struct CpuWarp {
-  Lane<S> lanes[32];
+  X lanes[32];
   // KDT_HD with host-only bodies (as CpuBlock in tree_build_cpu.cpp): nvcc compiles the CPU
   // backend too, and build<S, CpuWarp> is __host__ __device__.
   template <class F>
