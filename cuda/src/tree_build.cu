@@ -684,9 +684,9 @@ __global__ void tree_build_parallel_kernel(TreeBuildArgs a, int cap, int twin, i
 
 // ---- the one-warp build (tree_build_warp.h): a warp per request, several per CTA -----------
 
-template <class X>
+template <int S>
 struct GpuWarp {
-  X x;
+  tree::wrp::Lane<S> x;
   int lane;
   template <class F>
   __device__ __forceinline__ void each(F f) { f(x, lane); }
@@ -803,22 +803,15 @@ __global__ void __launch_bounds__(128) tree_build_warp_kernel(TreeBuildArgs a) {
   double* staged = kStaged ? reinterpret_cast<double*>(ns + n) : nullptr;
   if (kStaged) warp_stage(staged, lp, (int)lk, lane);
   __syncwarp();
+  tree::Scratch ks{};
+  tree::set_key_layout(ks, a.L, a.K);
+  GpuWarp<S> w;
+  w.lane = lane;
   const tree::wrp::WarpNodes N{node_score, node_cand, fc, ns, mask};
-  int used;
-  if constexpr (S <= tree::wrp::kLeanMaxSlots) {
-    GpuWarp<tree::wrp::LeanLane<S>> w;
-    w.lane = lane;
-    used = kStaged ? tree::wrp::build_lean<S>(w, (const double*)staged, a.L, a.K, a.budget, N)
-                   : tree::wrp::build_lean<S>(w, lp, a.L, a.K, a.budget, N);
-  } else {
-    tree::Scratch ks{};
-    tree::set_key_layout(ks, a.L, a.K);
-    GpuWarp<tree::wrp::Lane<S>> w;
-    w.lane = lane;
-    used = kStaged ? tree::wrp::build<S>(w, (const double*)staged, a.L, a.K, a.budget,
-                                         ks.key_bits, ks.key_depth, N)
-                   : tree::wrp::build<S>(w, lp, a.L, a.K, a.budget, ks.key_bits, ks.key_depth, N);
-  }
+  const int used =
+      kStaged ? tree::wrp::build<S>(w, (const double*)staged, a.L, a.K, a.budget, ks.key_bits,
+                                    ks.key_depth, N)
+              : tree::wrp::build<S>(w, lp, a.L, a.K, a.budget, ks.key_bits, ks.key_depth, N);
   warp_write_outputs(a, b, n, W, used, node_cand, node_score, fc, ns, mask, ids, meta[0],
                      meta[1], lane);
 }

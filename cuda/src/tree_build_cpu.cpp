@@ -116,13 +116,8 @@ Algo algo_from_env() {
 template <int S>
 int warp_build(const float* lp, int L, int K, int budget, const tree::Scratch& s,
                const tree::wrp::WarpNodes& N) {
-  if constexpr (S <= tree::wrp::kLeanMaxSlots) {
-    tree::wrp::CpuWarp<tree::wrp::LeanLane<S>> w;
-    return tree::wrp::build_lean<S>(w, lp, L, K, budget, N);
-  } else {
-    tree::wrp::CpuWarp<tree::wrp::Lane<S>> w;
-    return tree::wrp::build<S>(w, lp, L, K, budget, s.key_bits, s.key_depth, N);
-  }
+  tree::wrp::CpuWarp<S> w;
+  return tree::wrp::build<S>(w, lp, L, K, budget, s.key_bits, s.key_depth, N);
 }
 
 int warp_build_any(const float* lp, int L, int K, int budget, const tree::Scratch& s,
