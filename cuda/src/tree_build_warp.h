@@ -17,7 +17,11 @@
 //     shared memory; same reads everywhere), so no lane waits for another's write, and no
 //     branch depends on the winner's lane: a pop is one dependent chain, and its cost is its
 //     length (about 470 cycles on the H200 with one slot a lane, against about 940 when the
-//     lanes branched on their roles);
+//     lanes branched on their roles). The pop is bound by its ~140 instructions' issue and
+//     fixed latencies (ncu, bs 64, budget 15: warps 29% issuing, 28% waiting on ALU results),
+//     not by the reduction-to-reduction chain: a lean pop that kept each lane's successor
+//     scores ready, carried no rank-path keys and let the winner store alone (032fdc3) still
+//     took ~135 instructions and measured 1.08-1.23x slower at budgets 15 and 31 (reverted);
 //   - the sibling (or child) takes the winner's slot, the other push the next never-used slot
 //     (a high-water mark, < budget + 1); only the lanes whose slots changed rescan their S slots.
 //   - keys travel with the entries (a child's key is its parent's, a sibling's its left
