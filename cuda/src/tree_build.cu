@@ -375,44 +375,22 @@ struct GpuBlock {
       int total, base;
       if (m <= 32) {
         const int i = lo + lane;
-        const int c = lane < m ? len(i) : 0;  // <= 64 (count_at_least64): seven bits
+        const int c = lane < m ? len(i) : 0;
         mark(70);
-        // The runs' exclusive offsets and total a bit plane at a time: seven independent
-        // ballots, not a chain of five shuffles.
-        const unsigned below = (1u << lane) - 1u;
-        int excl = 0;
-        total = 0;
-#pragma unroll
-        for (int bit = 0; bit < 7; ++bit) {
-          const unsigned v = __ballot_sync(kFull, (c >> bit) & 1);
-          excl += __popc(v & below) << bit;
-          total += __popc(v) << bit;
-        }
+        const int incl = warp_inclusive(c, lane), excl = incl - c;
+        total = __shfl_sync(kFull, incl, 31);
         base = place(work, total, lane);
         if (total == 0 || base + total > cap) break;
-        if (total <= 32) {
-          // A child finds its run as the highest run start at or below it (the starts as one
-          // lane mask), and the run's lane in off[] at that start: this warp's own new entries,
-          // free until their batch.
-          const unsigned starts = __reduce_or_sync(kFull, c > 0 ? 1u << excl : 0u);
-          if (c > 0) off[base + excl] = lane;
-          __syncwarp();
-          if (lane < total) {
-            const int p = 31 - __clz(starts & (0xFFFFFFFFu >> (31 - lane)));
-            cand[base + lane] = put(lo + off[base + p], base + lane, lane - p);
-          }
-        } else {
-          for (int k0 = 0; k0 < total; k0 += 32) {
-            const int k = k0 + lane;
-            int q = 0;  // the last lane whose run starts at or before k
+        for (int k0 = 0; k0 < total; k0 += 32) {
+          const int k = k0 + lane;
+          int q = 0;  // the last lane whose run starts at or before k
 #pragma unroll
-            for (int st = 16; st > 0; st >>= 1) {
-              const int x = __shfl_sync(kFull, excl, q + st);
-              if (x <= k) q += st;
-            }
-            const int qi = __shfl_sync(kFull, i, q), qx = __shfl_sync(kFull, excl, q);
-            if (k < total) cand[base + k] = put(qi, base + k, k - qx);
+          for (int st = 16; st > 0; st >>= 1) {
+            const int x = __shfl_sync(kFull, excl, q + st);
+            if (x <= k) q += st;
           }
+          const int qi = __shfl_sync(kFull, i, q), qx = __shfl_sync(kFull, excl, q);
+          if (k < total) cand[base + k] = put(qi, base + k, k - qx);
         }
       } else {
         int run = 0;
