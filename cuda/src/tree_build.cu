@@ -814,6 +814,9 @@ __global__ void __launch_bounds__(128) tree_build_warp_kernel(TreeBuildArgs a) {
   tree::set_key_layout(ks, a.L, a.K);
   GpuWarp<S> w;
   w.lane = lane;
+  // Opaque to the compiler, so that the pops keep the lane in a register rather than read the
+  // thread index again at every pop (an S2R on the reduction's operand).
+  asm volatile("" : "+r"(w.lane));
   const tree::wrp::WarpNodes N{node_score, node_cand, fc, ns, mask};
   const int used =
       kStaged ? tree::wrp::build<S>(w, (const double*)staged, a.L, a.K, a.budget, ks.key_bits,

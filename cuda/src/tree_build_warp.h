@@ -228,6 +228,10 @@ KDT_HD uint32_t resolve_tie(Warp& w, uint32_t m, int key_depth, const uint32_t* 
 template <int S, class Warp, class T>
 KDT_HD int build(Warp& w, const T* lp, int L, int K, int budget, int key_bits, int key_depth,
                  const WarpNodes& N) {
+  // The visibility rows come with one and two slots a lane (budgets <= kMaskMaxBudget, when
+  // S = slots_for(budget)): a compile-time test, not a branch in every pop. N.mask is set
+  // exactly then.
+  constexpr bool kRows = 32 * S - 1 <= kMaskMaxBudget;
   const uint32_t* nc = N.cand;
   w.each([&](Lane<S>& x, int lane) {
 KDT_WARP_UNROLL
@@ -237,7 +241,7 @@ KDT_WARP_UNROLL
     N.score[0] = 0.0;
     N.first_child[0] = -1;
     N.next_sibling[0] = -1;
-    if (N.mask) N.mask[0] = 1ull;
+    if (kRows) N.mask[0] = 1ull;
     rescan(x, key_depth, nc);
   });
   int F = 1, hw = 1, count = 0;  // frontier size, high-water slot, pops: uniform
@@ -298,7 +302,7 @@ KDT_WARP_UNROLL
       N.first_child[i] = -1;
       N.next_sibling[i] = (int16_t)prev;  // the prepend rule: the rank - 1 sibling
       N.first_child[parent] = (int16_t)i;
-      if (N.mask) N.mask[i] = N.mask[parent] | (1ull << i);
+      if (kRows) N.mask[i] = N.mask[parent] | (1ull << i);
       const bool mw = lane == wl, mh = both && lane == hl;
       if (S == 1) {
         x.bsu = mw ? wsu : (mh ? csu : x.bsu);
