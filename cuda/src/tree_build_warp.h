@@ -60,8 +60,10 @@ constexpr int kMaxBudget = 32 * kMaxSlots - 1;  // 1023: the largest budget this
 // budget 15 and 1.33x at 63 against the earlier, branching pop: 390 instructions a pop, moving
 // and selecting whole entries per slot.
 constexpr int kAutoMaxBudget = 31;
-// Up to here the build also makes the nodes' visibility rows (WarpNodes::mask: 64 bits a row).
-constexpr int kMaskMaxBudget = 63;
+// Up to this many slots a lane, i.e. up to kMaskMaxBudget, the build also makes the nodes'
+// visibility rows (WarpNodes::mask: 64 bits a row).
+constexpr int kMaskMaxSlots = 2;
+constexpr int kMaskMaxBudget = 32 * kMaskMaxSlots - 1;  // 63
 
 // Slots per lane for a budget: the smallest power of two S with 32 S >= budget + 1.
 KDT_HD int slots_for(int budget) {
@@ -228,10 +230,10 @@ KDT_HD uint32_t resolve_tie(Warp& w, uint32_t m, int key_depth, const uint32_t* 
 template <int S, class Warp, class T>
 KDT_HD int build(Warp& w, const T* lp, int L, int K, int budget, int key_bits, int key_depth,
                  const WarpNodes& N) {
-  // The visibility rows come with one and two slots a lane (budgets <= kMaskMaxBudget, when
-  // S = slots_for(budget)): a compile-time test, not a branch in every pop. N.mask is set
-  // exactly then.
-  constexpr bool kRows = 32 * S - 1 <= kMaskMaxBudget;
+  // The visibility rows come with up to kMaskMaxSlots slots a lane, which S = slots_for(budget)
+  // gives exactly at budgets <= kMaskMaxBudget, where the callers set N.mask: a compile-time
+  // test, not a branch in every pop.
+  constexpr bool kRows = S <= kMaskMaxSlots;
   const uint32_t* nc = N.cand;
   w.each([&](Lane<S>& x, int lane) {
 KDT_WARP_UNROLL
