@@ -7,7 +7,10 @@ for bit (both sides run the same float64 operations in the same order: DDTREE.md
 
 from __future__ import annotations
 
+import os
 import secrets
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -153,15 +156,18 @@ def test_library_reports_build_info():
 
 
 @pytest.mark.cuda
-def test_build_and_accept_under_cuda_graph_capture(cuda_ready):
+@pytest.mark.parametrize("budget", [15, 128])  # the warp build, the parallel build
+def test_build_and_accept_under_cuda_graph_capture(cuda_ready, budget):
     # The CUDA entry points must not synchronise or allocate: capture both in one graph, replay
-    # on new inputs copied into the captured buffers, compare with the reference.
+    # on new inputs copied into the captured buffers, compare with the reference. The kernels
+    # are launched with PDL (cuda/src/pdl.cuh), so the capture links them by a programmatic
+    # edge: the accept reads the tree the build wrote.
     torch = pytest.importorskip("torch", reason="torch is not installed")
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA device here")
     seed = secrets.randbits(32)
     rng = np.random.default_rng(seed)
-    bs, L, K, budget = 8, 15, 32, 128
+    bs, L, K = 8, 15, min(32, budget)
     first = [torch.from_numpy(a).cuda() for a in random_build_inputs(rng, bs, L, K, ties=True)]
     target = torch.zeros((bs, budget + 1), dtype=torch.int64, device="cuda")
     nat = native()
@@ -187,3 +193,47 @@ def test_build_and_accept_under_cuda_graph_capture(cuda_ready):
                                    for f in ("accept_index", "accept_len", "bonus", "status")})
         assert_same(got_acc, ref_acc, ["accept_index", "accept_len", "bonus", "status"],
                      f"seed={seed} graph replay {trial} accept")
+
+
+_PDL_CHILD = """
+import sys
+import numpy as np
+import torch
+from engine.reference import ddtree
+from native_helpers import FIELDS_TREE, native, random_build_inputs
+rng = np.random.default_rng(int(sys.argv[1]))
+nat = native()
+for budget in (15, 63, 255):
+    args = random_build_inputs(rng, 4, 15, min(64, budget), ties=True)
+    dev = [torch.from_numpy(a).cuda() for a in args]
+    ref = ddtree.build_tree(*args[:2], budget, *args[2:])
+    tree = nat.build_tree(*dev[:2], budget, *dev[2:], device="cuda")
+    tgt = rng.choice(ref.tokens.reshape(-1), size=(4, budget + 1)).astype(np.int64)
+    acc = nat.accept_greedy(tree, torch.from_numpy(tgt).cuda(), device="cuda")
+    torch.cuda.synchronize()
+    for f in FIELDS_TREE:
+        if not np.array_equal(getattr(tree, f).cpu().numpy(), getattr(ref, f)):
+            sys.exit(f"budget {budget}: tree field {f} differs from the reference")
+    ref_acc = ddtree.accept_greedy(ref, tgt)
+    for f in ("accept_index", "accept_len", "bonus", "status"):
+        if not np.array_equal(getattr(acc, f).cpu().numpy(), getattr(ref_acc, f)):
+            sys.exit(f"budget {budget}: accept field {f} differs from the reference")
+print("ok")
+"""
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("pdl", ["0", "1"])
+def test_build_and_accept_with_and_without_pdl(cuda_ready, pdl):
+    # KDT_PDL is read once per process, so each setting runs in a child process: plain launches
+    # (0) and programmatic dependent launches (1) give the reference's trees and walks.
+    pytest.importorskip("torch", reason="torch is not installed")
+    seed = secrets.randbits(32)
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
+    env = {**os.environ, "KDT_PDL": pdl,
+           "PYTHONPATH": os.pathsep.join([here, root, os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-c", _PDL_CHILD, str(seed)], env=env, cwd=root,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (
+        f"KDT_PDL={pdl} seed={seed}: exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include "common.h"
+#include "pdl.cuh"
 #include "oracle_core.h"
 
 namespace kdt {
@@ -13,6 +14,8 @@ namespace {
 constexpr int kThreads = 128;
 
 __global__ void __launch_bounds__(kThreads) oracle_kernel(oracle::Args a) {
+  pdl_wait();  // before any global access (pdl.cuh)
+  pdl_trigger();
   __shared__ double rest[1024];
   __shared__ oracle::Row row;
   const int b = blockIdx.x / a.L, d = 1 + blockIdx.x % a.L;
@@ -37,7 +40,7 @@ __global__ void __launch_bounds__(kThreads) oracle_kernel(oracle::Args a) {
 }  // namespace
 
 kdt_status oracle_draft_cuda(const oracle::Args& a, void* stream) {
-  oracle_kernel<<<a.bs * a.L, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
+  launch_pdl(oracle_kernel, a.bs * a.L, kThreads, 0, static_cast<cudaStream_t>(stream), a);
   KDT_CUDA_CHECK(cudaGetLastError(), "kdt_oracle_draft");
   return KDT_OK;
 }

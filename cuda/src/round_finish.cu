@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include "common.h"
+#include "pdl.cuh"
 #include "round_finish_core.h"
 
 namespace kdt {
@@ -12,6 +13,8 @@ namespace {
 constexpr int kThreads = 128;
 
 __global__ void __launch_bounds__(kThreads) round_finish_kernel(round::FinishArgs a) {
+  pdl_wait();  // before any global access (pdl.cuh)
+  pdl_trigger();
   const int b = blockIdx.x;
   for (int k = 0; k < a.n; ++k) {
     const long long dst = round::ctx_row(a, b, k);  // uniform across the block
@@ -29,7 +32,7 @@ __global__ void __launch_bounds__(kThreads) round_finish_kernel(round::FinishArg
 }  // namespace
 
 kdt_status round_finish_cuda(const round::FinishArgs& a, void* stream) {
-  round_finish_kernel<<<a.bs, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
+  launch_pdl(round_finish_kernel, a.bs, kThreads, 0, static_cast<cudaStream_t>(stream), a);
   KDT_CUDA_CHECK(cudaGetLastError(), "kdt_round_finish");
   return KDT_OK;
 }

@@ -20,6 +20,7 @@
 #include <cstring>
 
 #include "common.h"
+#include "pdl.cuh"
 #include "tree_accept_core.h"
 #include "tree_accept_parallel.h"
 #include "tree_kernels.h"
@@ -29,6 +30,8 @@ namespace {
 
 template <bool kStrict>
 __global__ void __launch_bounds__(tree::apar::kMaxN) tree_accept_parallel_kernel(TreeAcceptArgs a) {
+  pdl_wait();  // before any global access (pdl.cuh)
+  pdl_trigger();
   namespace ap = tree::apar;
   extern __shared__ int64_t sm[];
   const int i = threadIdx.x;
@@ -71,6 +74,8 @@ Algo algo_from_env() {
 constexpr int kCopyUnroll = 8;
 
 __global__ void __launch_bounds__(32) tree_accept_kernel(TreeAcceptArgs a) {
+  pdl_wait();  // before any global access (pdl.cuh)
+  pdl_trigger();
   extern __shared__ int64_t sm[];
   const int lane = threadIdx.x;
   const int n = a.n;
@@ -120,6 +125,8 @@ __global__ void __launch_bounds__(32) tree_accept_kernel(TreeAcceptArgs a) {
 constexpr int kMaxSharedN = 4096;
 
 __global__ void __launch_bounds__(32) tree_accept_global_kernel(TreeAcceptArgs a) {
+  pdl_wait();  // before any global access (pdl.cuh)
+  pdl_trigger();
   const int lane = threadIdx.x;
   const long long b = blockIdx.x;
   const size_t o = (size_t)b * a.n;
@@ -144,13 +151,15 @@ kdt_status tree_accept_cuda(const TreeAcceptArgs& a, void* stream) {
   if (algo != Algo::kWalk && a.n <= tree::apar::kMaxN) {
     const int threads = tree::apar::threads_for(a.n);
     const size_t bytes = tree::apar::shared_bytes(a.n);
-    if (algo == Algo::kStrict) tree_accept_parallel_kernel<true><<<a.bs, threads, bytes, st>>>(a);
-    else tree_accept_parallel_kernel<false><<<a.bs, threads, bytes, st>>>(a);
+    if (algo == Algo::kStrict)
+      launch_pdl(tree_accept_parallel_kernel<true>, a.bs, threads, bytes, st, a);
+    else
+      launch_pdl(tree_accept_parallel_kernel<false>, a.bs, threads, bytes, st, a);
     KDT_CUDA_CHECK(cudaGetLastError(), fn);
     return KDT_OK;
   }
   if (a.n > kMaxSharedN) {
-    tree_accept_global_kernel<<<a.bs, 32, 0, st>>>(a);
+    launch_pdl(tree_accept_global_kernel, a.bs, 32, 0, st, a);
     KDT_CUDA_CHECK(cudaGetLastError(), fn);
     return KDT_OK;
   }
@@ -167,7 +176,7 @@ kdt_status tree_accept_cuda(const TreeAcceptArgs& a, void* stream) {
                    fn);
     if (dev >= 0 && dev < 64) opted[dev] = true;
   }
-  tree_accept_kernel<<<a.bs, 32, smem, st>>>(a);
+  launch_pdl(tree_accept_kernel, a.bs, 32, smem, st, a);
   KDT_CUDA_CHECK(cudaGetLastError(), fn);
   return KDT_OK;
 }

@@ -39,6 +39,7 @@
 #include <cstring>
 
 #include "common.h"
+#include "pdl.cuh"
 #include "tree_build_core.h"
 #include "tree_build_parallel.h"
 #include "tree_build_warp.h"
@@ -209,6 +210,8 @@ __device__ void write_outputs(const TreeBuildArgs& a, int b, int n, int W, int u
 
 template <bool kWarp>
 __global__ void __launch_bounds__(kThreads) tree_build_kernel(TreeBuildArgs a) {
+  pdl_wait();  // before any global access (pdl.cuh)
+  pdl_trigger();
   extern __shared__ double smem[];
   const int n = a.budget + 1, W = (n + 31) / 32;
   const int b = blockIdx.x;
@@ -248,6 +251,20 @@ __device__ void warp_prefetch_l1(const void* p, size_t bytes, int lane) {
   for (uintptr_t q = first + 128 * (uintptr_t)lane; q < end; q += 128 * 32)
     asm volatile("prefetch.global.L1 [%0];" ::"l"(q));
 }
+
+// Starts copying src[0, count) (global int64) into dst (shared) with cp.async, a lane's share
+// at a time: no registers held, nothing waited for here (ids_wait, then a barrier, before
+// another thread reads them). The token-id gather of the outputs then reads shared memory
+// rather than waiting on a global load after the build (the warp build, kWarpIdsBytes).
+__device__ void ids_copy_async(int64_t* dst, const int64_t* src, int count, int first,
+                               int stride) {
+  for (int i = first; i < count; i += stride) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst + i);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(d), "l"(src + i) : "memory");
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+__device__ __forceinline__ void ids_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
 // Warp w of sw stages log-probs [32 P w, 32 P (w + 1)) of every round of 32 P sw into staged
 // (shared memory) and checks each against the next one in its row (ck): P loads in flight per
@@ -539,6 +556,8 @@ struct GpuBlock {
 template <bool kStaged>
 __global__ void tree_build_parallel_kernel(TreeBuildArgs a, int cap, int twin, int nord,
                                            const tree::par::Consts C) {
+  pdl_wait();  // before any global access (pdl.cuh)
+  pdl_trigger();
   extern __shared__ double smem[];
   const int n = a.budget + 1, W = (n + 31) / 32;
   const int b = blockIdx.x;
@@ -591,6 +610,10 @@ __global__ void tree_build_parallel_kernel(TreeBuildArgs a, int cap, int twin, i
 #endif
   // What the outputs need at the end, asked for now by the last warp: the request's root id and
   // seq_len, and the token ids' lines into L1 (the slots' gather then finds them there).
+  // (The token ids staged into shared memory with cp.async by every thread instead, as the
+  // warp build does, and the root id and seq_len stored after the staging: H200, budget 63,
+  // bs 64, the staging's first phase 852 -> 1282 cycles and the slots' 838 -> 762, and
+  // bench.tree_ab 1.01-1.02x at budget 63, 1.00x at 255 and 1023. Not kept.)
   const int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
   if ((int)(threadIdx.x >> 5) == nw - 1) {
     warp_prefetch_l1(ids, lk * sizeof(int64_t), lane);
@@ -713,35 +736,53 @@ struct GpuWarp {
 // Per-warp shared memory: node scores [n] (8 bytes), its root id and seq_len, then, up to budget
 // 63, the nodes' visibility rows [n] (8 bytes: tree::wrp::WarpNodes::mask); node cands [n] (4),
 // first_child and next_sibling [n] (2 each), then its log-probs as doubles when they take
-// <= kWarpStageBytes; rounded up to 8 bytes. At most 16 x 1024 + 16 KB = 32 KB a warp.
+// <= kWarpStageBytes, then its token ids when they take <= kWarpIdsBytes; rounded up to 8 bytes.
+// At most 16 x 1024 + 16 KB = 32 KB a warp (the ids come only with small L K).
 constexpr int kWarpStageBytes = 16 * 1024;
+constexpr int kWarpIdsBytes = 8 * 1024;
 __host__ __device__ size_t warp_stage_bytes(int L, int K) {
   const size_t b = (size_t)L * K * sizeof(double);
   return b <= (size_t)kWarpStageBytes ? b : 0;
 }
+__host__ __device__ size_t warp_ids_bytes(int L, int K) {
+  const size_t b = (size_t)L * K * sizeof(int64_t);
+  return b <= (size_t)kWarpIdsBytes ? b : 0;
+}
 __host__ __device__ size_t warp_smem_per(int budget, int L, int K) {
   const size_t n = (size_t)budget + 1;
   const size_t masks = budget <= tree::wrp::kMaskMaxBudget ? 8 * n : 0;
-  return (16 * n + 16 + masks + warp_stage_bytes(L, K) + 7) / 8 * 8;
+  return (16 * n + 16 + masks + warp_stage_bytes(L, K) + warp_ids_bytes(L, K) + 7) / 8 * 8;
 }
 
 // Copies src[0, count) (global) to dst (shared; float, or double: converted) with one warp:
-// 16-byte loads from src's first 16-byte boundary on (a scalar head and tail around them), eight
-// per lane in flight before their stores, so that up to 4096 floats (a request stages at most
-// 2048) arrive in one round trip.
+// 16-byte loads from src's first 16-byte boundary on (a scalar head and tail around them), all
+// of a lane's loads in flight before its first store, so that up to 1024 floats arrive in one
+// round trip (the head and tail loaded with the first 1024; a store that waits on its load
+// before the next load issues costs a round trip each: ~700 cycles on the H200).
 template <class T>
 __device__ void warp_stage(T* dst, const float* src, int count, int lane) {
   const int head = min(count, (int)(((16 - (reinterpret_cast<uintptr_t>(src) & 15)) & 15) >> 2));
-  if (lane < head) dst[lane] = __ldg(src + lane);
   const int nv = (count - head) >> 2;
+  const int tail = head + 4 * nv;
+  const bool in_head = lane < head, in_tail = lane < count - tail;
   const float4* v = reinterpret_cast<const float4*>(src + head);
-  for (int i0 = 0; i0 < nv; i0 += 8 * 32) {
+  for (int i0 = 0; i0 < nv || i0 == 0; i0 += 8 * 32) {
     float4 r[8];
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
       const int i = i0 + 32 * k + lane;
       if (i < nv) r[k] = __ldg(v + i);
     }
+    // The scalars after the vectors: their conversion waits for them, and the vectors' loads
+    // are out by then.
+    float h = 0.0f, t = 0.0f;
+    if (i0 == 0) {
+      if (in_head) h = __ldg(src + lane);
+      if (in_tail) t = __ldg(src + tail + lane);
+    }
+    // Keeps every load above the first conversion (ptxas otherwise interleaves the last loads
+    // with the first stores, which wait for the first loads: a second round trip).
+    __syncwarp();
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
       const int i = i0 + 32 * k + lane;
@@ -753,16 +794,18 @@ __device__ void warp_stage(T* dst, const float* src, int count, int lane) {
         d[3] = r[k].w;
       }
     }
+    if (i0 == 0) {
+      if (in_head) dst[lane] = h;
+      if (in_tail) dst[tail + lane] = t;
+    }
   }
-  const int tail = head + 4 * nv;
-  if (lane < count - tail) dst[tail + lane] = __ldg(src + tail + lane);
 }
 
 // The warp writes one request's outputs: slots (lanes on consecutive slots), then visibility
 // one row per lane: from the row built with the tree (mask, budget <= 63; rows beyond the used
 // slots are zero), else a single ancestor walk (descending indices) that emits the row's words
 // from the last down.
-__device__ void warp_write_outputs(const TreeBuildArgs& a, int b, int n, int W, int used,
+__device__ __forceinline__ void warp_write_outputs(const TreeBuildArgs& a, int b, int n, int W, int used,
                                    const uint32_t* node_cand, const double* node_score,
                                    const int16_t* fc, const int16_t* ns, const uint64_t* mask,
                                    const int64_t* ids, int64_t root, int64_t seq_len, int lane) {
@@ -787,6 +830,17 @@ __device__ void warp_write_outputs(const TreeBuildArgs& a, int b, int n, int W, 
 // tree_build_parallel_kernel).
 template <int S, bool kStaged>
 __global__ void __launch_bounds__(128) tree_build_warp_kernel(TreeBuildArgs a) {
+#if defined(KDT_PAR_PROFILE)
+  // Development probes: lane 0 of each warp prints its request's cycles waiting to start, in
+  // the prologue, the build and the outputs ("WPROF b ...").
+  long long wt[5];
+  wt[0] = clock64();
+#endif
+  pdl_wait();  // before any global access (pdl.cuh)
+  pdl_trigger();
+#if defined(KDT_PAR_PROFILE)
+  wt[1] = clock64();
+#endif
   extern __shared__ double smem[];
   const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   const int b = blockIdx.x * warps + (threadIdx.x >> 5);
@@ -804,12 +858,29 @@ __global__ void __launch_bounds__(128) tree_build_warp_kernel(TreeBuildArgs a) {
   const size_t lk = (size_t)a.L * a.K;
   const float* lp = a.top_logp + b * lk;
   const int64_t* ids = a.top_ids + b * lk;
-  if (lane == 0) meta[0] = __ldg(a.root_ids + b);  // (not held in registers over the build)
-  if (lane == 1) meta[1] = __ldg(a.seq_lens + b);
-  warp_prefetch_l1(ids, lk * sizeof(int64_t), lane);
+  // Every global load of the prologue goes out before any of them is waited for: the root id
+  // and seq_len (kept in shared memory over the build, not in registers), the token ids (into
+  // shared memory when they fit, else into L1), the log-probs. Before, the root id's store, the
+  // staging's head and its vectors each waited for a load in turn, and the outputs gathered the
+  // token ids from L1 or L2 after the build. H200, bench.tree_ab, kernel alone, both launched
+  // with PDL: 0.93-0.96x at budgets 15 and 31, bs 1-64; the outputs' phase at bs 1, budget 15
+  // from 1187 to 960 cycles (KDT_PAR_PROFILE probes below). The staging phase stayed at ~2.7k
+  // cycles there: its one round trip, on a cold SM.
+  const int64_t m = lane < 2 ? __ldg(lane == 0 ? a.root_ids + b : a.seq_lens + b) : 0;
   double* staged = kStaged ? reinterpret_cast<double*>(ns + n) : nullptr;
+  int64_t* sids = warp_ids_bytes(a.L, a.K)
+                      ? reinterpret_cast<int64_t*>(reinterpret_cast<char*>(ns + n) +
+                                                   warp_stage_bytes(a.L, a.K))
+                      : nullptr;
+  if (sids) ids_copy_async(sids, ids, (int)lk, lane, 32);
+  else warp_prefetch_l1(ids, lk * sizeof(int64_t), lane);
   if (kStaged) warp_stage(staged, lp, (int)lk, lane);
+  if (lane < 2) meta[lane] = m;
+  if (sids) ids_wait();
   __syncwarp();
+#if defined(KDT_PAR_PROFILE)
+  wt[2] = clock64();
+#endif
   tree::Scratch ks{};
   tree::set_key_layout(ks, a.L, a.K);
   GpuWarp<S> w;
@@ -822,16 +893,30 @@ __global__ void __launch_bounds__(128) tree_build_warp_kernel(TreeBuildArgs a) {
       kStaged ? tree::wrp::build<S>(w, (const double*)staged, a.L, a.K, a.budget, ks.key_bits,
                                     ks.key_depth, N)
               : tree::wrp::build<S>(w, lp, a.L, a.K, a.budget, ks.key_bits, ks.key_depth, N);
-  warp_write_outputs(a, b, n, W, used, node_cand, node_score, fc, ns, mask, ids, meta[0],
-                     meta[1], lane);
+#if defined(KDT_PAR_PROFILE)
+  wt[3] = clock64();
+#endif
+  if (sids)  // two inlined copies, so that each gathers with its own address space's loads
+    warp_write_outputs(a, b, n, W, used, node_cand, node_score, fc, ns, mask, sids, meta[0],
+                       meta[1], lane);
+  else
+    warp_write_outputs(a, b, n, W, used, node_cand, node_score, fc, ns, mask, ids, meta[0],
+                       meta[1], lane);
+#if defined(KDT_PAR_PROFILE)
+  __syncwarp();
+  wt[4] = clock64();
+  if (lane == 0)
+    printf("WPROF %d %lld %lld %lld %lld\n", b, wt[1] - wt[0], wt[2] - wt[1], wt[3] - wt[2],
+           wt[4] - wt[3]);
+#endif
 }
 
 template <int S>
 void launch_warp(const TreeBuildArgs& a, int grid, int threads, size_t smem, cudaStream_t st) {
   if (warp_stage_bytes(a.L, a.K))
-    tree_build_warp_kernel<S, true><<<grid, threads, smem, st>>>(a);
+    launch_pdl(tree_build_warp_kernel<S, true>, grid, threads, smem, st, a);
   else
-    tree_build_warp_kernel<S, false><<<grid, threads, smem, st>>>(a);
+    launch_pdl(tree_build_warp_kernel<S, false>, grid, threads, smem, st, a);
 }
 
 kdt_status launch_warp_build(const TreeBuildArgs& a, cudaStream_t st) {
@@ -938,18 +1023,20 @@ kdt_status tree_build_cuda(const TreeBuildArgs& a, void* stream) {
       const int twin = p.twin ? 1 : 0;
       const tree::par::Consts C = tree::par::consts(a.budget, a.L, a.K, T, p.nord);
       if (p.staged)
-        tree_build_parallel_kernel<true><<<a.bs, T, p.bytes, st>>>(a, p.cap, twin, p.nord, C);
+        launch_pdl(tree_build_parallel_kernel<true>, a.bs, T, p.bytes, st, a, p.cap, twin, p.nord,
+                   C);
       else
-        tree_build_parallel_kernel<false><<<a.bs, T, p.bytes, st>>>(a, p.cap, twin, p.nord, C);
+        launch_pdl(tree_build_parallel_kernel<false>, a.bs, T, p.bytes, st, a, p.cap, twin,
+                   p.nord, C);
       KDT_CUDA_CHECK(cudaGetLastError(), fn);
       return KDT_OK;
     }
   }
   const size_t smem = smem_bytes(a.budget + 1);
   if (use_warp_variant())
-    tree_build_kernel<true><<<a.bs, kThreads, smem, st>>>(a);
+    launch_pdl(tree_build_kernel<true>, a.bs, kThreads, smem, st, a);
   else
-    tree_build_kernel<false><<<a.bs, kThreads, smem, st>>>(a);
+    launch_pdl(tree_build_kernel<false>, a.bs, kThreads, smem, st, a);
   KDT_CUDA_CHECK(cudaGetLastError(), fn);
   return KDT_OK;
 }

@@ -1,0 +1,69 @@
+// pdl.cuh: programmatic dependent launch (PDL, sm_90 and later) for the round's small kernels.
+//
+// A kernel launched with launch_pdl may start (its CTAs scheduled, its prologue run) while the
+// kernel before it on the stream is still finishing; it waits in pdl_wait() until that kernel
+// has completed and its memory is visible, exactly what stream order guarantees. So every
+// kernel launched this way calls pdl_wait() before its first global read or write, and the
+// result is the same as a plain launch: what PDL removes is the gap between the two kernels
+// (the dependent's launch, once the first has finished), and nothing of either's work.
+// pdl_trigger() lets the next PDL kernel be scheduled now rather than when this one exits;
+// it changes no ordering (the next kernel still waits in its pdl_wait()).
+//
+// Under stream capture the attribute becomes a programmatic edge of the graph. A kernel launched
+// without the attribute, or on a device before sm_90, takes both calls as no-ops.
+// KDT_PDL=0 (read once, on the host) launches everything plainly (for A/B measurements).
+#pragma once
+
+#include <cstdlib>
+#include <cstring>
+
+#include <cuda_runtime.h>
+
+namespace kdt {
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+#ifndef KDT_PDL_DEFAULT
+#define KDT_PDL_DEFAULT 1
+#endif
+
+// Whether launch_pdl sets the attribute: KDT_PDL=0 or 1, else KDT_PDL_DEFAULT (a build define).
+inline bool pdl_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("KDT_PDL");
+    if (v && std::strcmp(v, "0") == 0) return false;
+    if (v && std::strcmp(v, "1") == 0) return true;
+    return KDT_PDL_DEFAULT != 0;
+  }();
+  return on;
+}
+
+// kernel<<<grid, block, smem, st>>>(args...) with the programmatic-serialization attribute
+// (when pdl_enabled()); returns the launch's error.
+template <class... P, class... A>
+cudaError_t launch_pdl(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t st,
+                       A&&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = st;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, static_cast<P>(args)...);
+}
+
+}  // namespace kdt
