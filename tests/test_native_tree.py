@@ -207,9 +207,15 @@ for budget in (15, 63, 255):
     args = random_build_inputs(rng, 4, 15, min(64, budget), ties=True)
     dev = [torch.from_numpy(a).cuda() for a in args]
     ref = ddtree.build_tree(*args[:2], budget, *args[2:])
-    tree = nat.build_tree(*dev[:2], budget, *dev[2:], device="cuda")
     tgt = rng.choice(ref.tokens.reshape(-1), size=(4, budget + 1)).astype(np.int64)
-    acc = nat.accept_greedy(tree, torch.from_numpy(tgt).cuda(), device="cuda")
+    target = torch.from_numpy(tgt).cuda()
+    nat.build_tree(*dev[:2], budget, *dev[2:], device="cuda")  # warm-up outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()  # PDL launches happen under capture only
+    with torch.cuda.graph(graph):
+        tree = nat.build_tree(*dev[:2], budget, *dev[2:], device="cuda")
+        acc = nat.accept_greedy(tree, target, device="cuda")
+    graph.replay()
     torch.cuda.synchronize()
     for f in FIELDS_TREE:
         if not np.array_equal(getattr(tree, f).cpu().numpy(), getattr(ref, f)):
@@ -225,8 +231,9 @@ print("ok")
 @pytest.mark.cuda
 @pytest.mark.parametrize("pdl", ["0", "1"])
 def test_build_and_accept_with_and_without_pdl(cuda_ready, pdl):
-    # KDT_PDL is read once per process, so each setting runs in a child process: plain launches
-    # (0) and programmatic dependent launches (1) give the reference's trees and walks.
+    # KDT_PDL is read once per process, so each setting runs in a child process: captured and
+    # replayed, plain launches (0) and programmatic dependent launches (1) give the reference's
+    # trees and walks.
     pytest.importorskip("torch", reason="torch is not installed")
     seed = secrets.randbits(32)
     here = os.path.dirname(os.path.abspath(__file__))

@@ -9,9 +9,12 @@
 // pdl_trigger() lets the next PDL kernel be scheduled now rather than when this one exits;
 // it changes no ordering (the next kernel still waits in its pdl_wait()).
 //
-// Under stream capture the attribute becomes a programmatic edge of the graph. A kernel launched
-// without the attribute, or on a device before sm_90, takes both calls as no-ops.
-// KDT_PDL=0 (read once, on the host) launches everything plainly (for A/B measurements).
+// Only under stream capture, where the attribute becomes a programmatic edge of the graph: H200,
+// launched eagerly with it, one call between events took ~7 us longer (kernels suite, run
+// 20261203T070646Z-9f0de7b-bench: tree accept 13 -> 20 us at every bs and budget, the build
+// 2-12 us longer), while the kernel alone, replayed from a graph, took 0.92-0.98x. A kernel launched
+// without the attribute, or on a device before sm_90, takes pdl_wait and pdl_trigger as no-ops.
+// KDT_PDL=0 (read once, on the host) launches plainly under capture too (A/B measurements).
 #pragma once
 
 #include <cstdlib>
@@ -37,7 +40,7 @@ __device__ __forceinline__ void pdl_trigger() {
 #define KDT_PDL_DEFAULT 1
 #endif
 
-// Whether launch_pdl sets the attribute: KDT_PDL=0 or 1, else KDT_PDL_DEFAULT (a build define).
+// Whether launch_pdl may set the attribute: KDT_PDL=0 or 1, else KDT_PDL_DEFAULT (a define).
 inline bool pdl_enabled() {
   static const bool on = [] {
     const char* v = std::getenv("KDT_PDL");
@@ -48,8 +51,19 @@ inline bool pdl_enabled() {
   return on;
 }
 
-// kernel<<<grid, block, smem, st>>>(args...) with the programmatic-serialization attribute
-// (when pdl_enabled()); returns the launch's error.
+// Whether st is capturing (a failed query, e.g. the legacy stream while another stream captures
+// in global mode, counts as no, and its error is cleared so the launch check does not see it).
+inline bool stream_capturing(cudaStream_t st) {
+  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(st, &cs) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return cs == cudaStreamCaptureStatusActive;
+}
+
+// kernel<<<grid, block, smem, st>>>(args...), with the programmatic-serialization attribute when
+// pdl_enabled() and st is capturing; returns the launch's error.
 template <class... P, class... A>
 cudaError_t launch_pdl(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t st,
                        A&&... args) {
@@ -62,7 +76,7 @@ cudaError_t launch_pdl(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  cfg.numAttrs = pdl_enabled() && stream_capturing(st) ? 1 : 0;
   return cudaLaunchKernelEx(&cfg, kernel, static_cast<P>(args)...);
 }
 
