@@ -1,10 +1,11 @@
-"""Where the parallel tree build's time goes, phase by phase (a development tool, not a suite).
+"""Where the tree build's time goes, phase by phase (a development tool, not a suite).
 
 The parallel build (cuda/src/tree_build_parallel.h) records the SM's cycle counter at every phase
 boundary when the library is built with KDT_PAR_PROFILE; each block prints its phases and total
 through device printf. This runs the build on CUDA (KDT_TREE_BUILD=parallel) in a child process,
 captures that output, and prints the blocks' spread and the phases of the median and slowest
-blocks:
+blocks. With --algo warp it runs the one-warp build (KDT_TREE_BUILD=warp) instead, whose probes
+(one request a warp) split it into the wait to start, the prologue, the pops and the outputs:
 
     bash cuda/build.sh --arch sm_90 --out build/prof --define KDT_PAR_PROFILE \\
         --define KDT_PAR_REPEAT=2
@@ -39,7 +40,10 @@ PHASES = {
     72: "queue: its children written",
     80: "order: buckets", 81: "order: ranks", 85: "order: placed", 82: "nodes", 96: "slots",
     97: "visibility zeroed", 99: "visibility rows",
+    60: "warp: waiting to start", 61: "warp: prologue (loads)", 62: "warp: pops",
+    69: "warp: outputs",
 }
+END_IDS = (99, 69)  # the probe that ends a build: the parallel build's, the warp build's
 LEVEL_PHASES = {1: "runs", 2: "write", 3: "bound check"}
 
 
@@ -63,7 +67,8 @@ class Block:
 
 def parse(text: str) -> list[Block]:
     """The last complete build of every block in `text` ("PROF block id cycles" lines, a build
-    ending at probe 99); other lines are ignored. Raises ValueError when there is none."""
+    ending at probe 99, or 69 for the warp build's requests); other lines are ignored. Raises
+    ValueError when there is none."""
     current: dict[int, list[tuple[int, int]]] = {}
     last: dict[int, list[tuple[int, int]]] = {}
     for line in text.splitlines():
@@ -75,11 +80,11 @@ def parse(text: str) -> list[Block]:
         except ValueError:
             continue
         current.setdefault(b, []).append((pid, cycles))
-        if pid == 99:
+        if pid in END_IDS:
             last[b] = current.pop(b)
     if not last:
         raise ValueError("no profile lines (PROF ...): is KDTREE_LIB a library built with "
-                         "--define KDT_PAR_PROFILE, and did the build run the parallel path?")
+                         "--define KDT_PAR_PROFILE, and did the build run the profiled path?")
     return [Block(b, ph) for b, ph in sorted(last.items())]
 
 
@@ -123,14 +128,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bs", type=int, default=1)
     ap.add_argument("--seed", type=int, default=5)
     ap.add_argument("--calls", type=int, default=3, help="builds; the last one is shown")
+    ap.add_argument("--algo", choices=("parallel", "warp"), default="parallel",
+                    help="the build to profile (KDT_TREE_BUILD); default parallel")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if not 1 <= a.budget <= 1024 or not 1 <= a.bs or not 1 <= a.calls:
         ap.error("--budget must be in 1..1024, --bs and --calls >= 1")
+    if a.algo == "warp" and a.budget > 1023:
+        ap.error("--algo warp takes budgets up to 1023")
     if a.child:
         _child(a.budget, a.bs, a.seed, a.calls)
         return 0
-    env = dict(os.environ, KDT_TREE_BUILD="parallel")
+    env = dict(os.environ, KDT_TREE_BUILD=a.algo)
     cmd = [sys.executable, "-m", "bench.tree_profile", "--child", "--budget", str(a.budget),
            "--bs", str(a.bs), "--seed", str(a.seed), "--calls", str(a.calls)]
     try:
@@ -148,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"tree_profile: {e}", file=sys.stderr)
         return 1
-    print(f"budget {a.budget}, bs {a.bs}, seed {a.seed}")
+    print(f"budget {a.budget}, bs {a.bs}, seed {a.seed}, {a.algo} build")
     print(summary(blocks))
     return 0
 

@@ -1,5 +1,5 @@
-"""bench/tree_profile.py: parsing the parallel tree build's per-phase cycle probes (the GPU run
-itself needs a KDT_PAR_PROFILE build on CUDA and is not run here)."""
+"""bench/tree_profile.py: parsing the tree builds' per-phase cycle probes (the GPU run itself
+needs a KDT_PAR_PROFILE build on CUDA and is not run here)."""
 
 from __future__ import annotations
 
@@ -67,3 +67,23 @@ def test_bad_arguments_are_refused(args, capsys):
         tree_profile.main(args)
     assert e.value.code == 2
     assert "--budget must be in 1..1024" in capsys.readouterr().err
+
+
+def test_warp_build_lines_end_at_probe_69():
+    # The warp build prints one request's four phases at once (a warp per request); a request
+    # whose lines stop before 69 is incomplete and left out.
+    text = ("PROF 3 60 18\nPROF 3 61 2700\nPROF 3 62 5200\nPROF 3 69 960\n"
+            "PROF 0 60 20\nPROF 0 61 2800\nPROF 0 62 5300\nPROF 0 69 990\n"
+            "PROF 5 60 20\nPROF 5 61 2800\n")
+    blocks = tree_profile.parse(text)
+    assert [b.index for b in blocks] == [0, 3]
+    assert blocks[1].phases == [(60, 18), (61, 2700), (62, 5200), (69, 960)]
+    out = tree_profile.summary(blocks)
+    assert "warp: pops" in out and "warp: outputs" in out
+
+
+def test_warp_algo_refuses_budget_1024(capsys):
+    with pytest.raises(SystemExit) as e:
+        tree_profile.main(["--algo", "warp", "--budget", "1024"])
+    assert e.value.code == 2
+    assert "--algo warp takes budgets up to 1023" in capsys.readouterr().err

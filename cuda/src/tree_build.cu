@@ -831,8 +831,9 @@ __device__ __forceinline__ void warp_write_outputs(const TreeBuildArgs& a, int b
 template <int S, bool kStaged>
 __global__ void __launch_bounds__(128) tree_build_warp_kernel(TreeBuildArgs a) {
 #if defined(KDT_PAR_PROFILE)
-  // Development probes: lane 0 of each warp prints its request's cycles waiting to start, in
-  // the prologue, the build and the outputs ("WPROF b ...").
+  // Development probes (bench/tree_profile.py --algo warp): lane 0 of each warp prints its
+  // request's cycles waiting to start (60), in the prologue (61), the pops (62) and the
+  // outputs (69, the end of a build), as "PROF request id cycles" lines.
   long long wt[5];
   wt[0] = clock64();
 #endif
@@ -906,8 +907,8 @@ __global__ void __launch_bounds__(128) tree_build_warp_kernel(TreeBuildArgs a) {
   __syncwarp();
   wt[4] = clock64();
   if (lane == 0)
-    printf("WPROF %d %lld %lld %lld %lld\n", b, wt[1] - wt[0], wt[2] - wt[1], wt[3] - wt[2],
-           wt[4] - wt[3]);
+    printf("PROF %d 60 %lld\nPROF %d 61 %lld\nPROF %d 62 %lld\nPROF %d 69 %lld\n", b,
+           wt[1] - wt[0], b, wt[2] - wt[1], b, wt[3] - wt[2], b, wt[4] - wt[3]);
 #endif
 }
 
