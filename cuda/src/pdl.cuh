@@ -10,9 +10,11 @@
 // it changes no ordering (the next kernel still waits in its pdl_wait()).
 //
 // Only under stream capture, where the attribute becomes a programmatic edge of the graph: H200,
-// launched eagerly with it, one call between events took ~7 us longer (kernels suite, run
-// 20261203T070646Z-9f0de7b-bench: tree accept 13 -> 20 us at every bs and budget, the build
-// 2-12 us longer), while the kernel alone, replayed from a graph, took 0.92-0.98x. A kernel launched
+// launched eagerly with it, one call between events took 19-22 us for the tree accept at every
+// bs and budget (kernels suite, run 20261203T070646Z-9f0de7b-bench) against 12-14 us the run
+// before, the build 2-12 us longer, while the kernel alone, replayed from a graph, took
+// 0.92-0.98x. (Two runs on two machines, whose host-bound timings also move: not an A/B in one
+// process.) A kernel launched
 // without the attribute, or on a device before sm_90, takes pdl_wait and pdl_trigger as no-ops.
 // KDT_PDL=0 (read once, on the host) launches plainly under capture too (A/B measurements).
 #pragma once
