@@ -758,7 +758,7 @@ __host__ __device__ size_t warp_smem_per(int budget, int L, int K) {
 // 16-byte loads from src's first 16-byte boundary on (a scalar head and tail around them), all
 // of a lane's loads in flight before its first store, so that up to 1024 floats arrive in one
 // round trip (the head and tail loaded with the first 1024; a store that waits on its load
-// before the next load issues costs a round trip each: ~700 cycles on the H200).
+// before the next load issues costs a round trip of its own).
 template <class T>
 __device__ void warp_stage(T* dst, const float* src, int count, int lane) {
   const int head = min(count, (int)(((16 - (reinterpret_cast<uintptr_t>(src) & 15)) & 15) >> 2));
@@ -805,10 +805,14 @@ __device__ void warp_stage(T* dst, const float* src, int count, int lane) {
 // one row per lane: from the row built with the tree (mask, budget <= 63; rows beyond the used
 // slots are zero), else a single ancestor walk (descending indices) that emits the row's words
 // from the last down.
-__device__ __forceinline__ void warp_write_outputs(const TreeBuildArgs& a, int b, int n, int W, int used,
-                                   const uint32_t* node_cand, const double* node_score,
-                                   const int16_t* fc, const int16_t* ns, const uint64_t* mask,
-                                   const int64_t* ids, int64_t root, int64_t seq_len, int lane) {
+// Inlined: the caller passes ids in shared or global memory, and each copy then gathers with
+// that space's loads.
+__device__ __forceinline__ void warp_write_outputs(const TreeBuildArgs& a, int b, int n, int W,
+                                                   int used, const uint32_t* node_cand,
+                                                   const double* node_score, const int16_t* fc,
+                                                   const int16_t* ns, const uint64_t* mask,
+                                                   const int64_t* ids, int64_t root,
+                                                   int64_t seq_len, int lane) {
   const size_t o = (size_t)b * n;
   for (int i = lane; i < n; i += 32)
     write_tree_slot(a, o, i, used, root, seq_len, node_cand, node_score, fc, ns, ids);
