@@ -14,8 +14,7 @@ namespace {
 constexpr int kThreads = 128;
 
 __global__ void __launch_bounds__(kThreads) oracle_kernel(oracle::Args a) {
-  pdl_wait();  // before any global access (pdl.cuh)
-  pdl_trigger();
+  pdl_enter();  // before any global access (pdl.cuh)
   __shared__ double rest[1024];
   __shared__ oracle::Row row;
   const int b = blockIdx.x / a.L, d = 1 + blockIdx.x % a.L;

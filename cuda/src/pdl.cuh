@@ -3,7 +3,7 @@
 // A kernel launched with launch_pdl may start (its CTAs scheduled, its prologue run) while the
 // kernel before it on the stream is still finishing; it waits in pdl_wait() until that kernel
 // has completed and its memory is visible, exactly what stream order guarantees. So every
-// kernel launched this way calls pdl_wait() before its first global read or write, and the
+// kernel launched this way calls pdl_wait() (pdl_enter) before its first global access, and the
 // result is the same as a plain launch: what PDL removes is the gap between the two kernels
 // (the dependent's launch, once the first has finished), and nothing of either's work.
 // pdl_trigger() lets the next PDL kernel be scheduled now rather than when this one exits;
@@ -14,8 +14,8 @@
 // bs and budget (kernels suite, run 20261203T070646Z-9f0de7b-bench) against 12-14 us the run
 // before, the build 2-12 us longer, while the kernel alone, replayed from a graph, took
 // 0.92-0.98x. (Two runs on two machines, whose host-bound timings also move: not an A/B in one
-// process.) A kernel launched
-// without the attribute, or on a device before sm_90, takes pdl_wait and pdl_trigger as no-ops.
+// process.) A kernel launched without the attribute, or on a device before sm_90, takes
+// pdl_wait and pdl_trigger as no-ops.
 // KDT_PDL=0 (read once, on the host) launches plainly under capture too (A/B measurements).
 #pragma once
 
@@ -36,6 +36,13 @@ __device__ __forceinline__ void pdl_trigger() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+}
+
+// A kernel's first statement when launch_pdl launches it: wait for the kernel before it, then
+// let the next one be scheduled.
+__device__ __forceinline__ void pdl_enter() {
+  pdl_wait();
+  pdl_trigger();
 }
 
 #ifndef KDT_PDL_DEFAULT

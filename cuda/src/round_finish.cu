@@ -13,8 +13,7 @@ namespace {
 constexpr int kThreads = 128;
 
 __global__ void __launch_bounds__(kThreads) round_finish_kernel(round::FinishArgs a) {
-  pdl_wait();  // before any global access (pdl.cuh)
-  pdl_trigger();
+  pdl_enter();  // before any global access (pdl.cuh)
   const int b = blockIdx.x;
   for (int k = 0; k < a.n; ++k) {
     const long long dst = round::ctx_row(a, b, k);  // uniform across the block

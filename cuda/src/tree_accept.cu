@@ -30,8 +30,7 @@ namespace {
 
 template <bool kStrict>
 __global__ void __launch_bounds__(tree::apar::kMaxN) tree_accept_parallel_kernel(TreeAcceptArgs a) {
-  pdl_wait();  // before any global access (pdl.cuh)
-  pdl_trigger();
+  pdl_enter();  // before any global access (pdl.cuh)
   namespace ap = tree::apar;
   extern __shared__ int64_t sm[];
   const int i = threadIdx.x;
@@ -74,8 +73,7 @@ Algo algo_from_env() {
 constexpr int kCopyUnroll = 8;
 
 __global__ void __launch_bounds__(32) tree_accept_kernel(TreeAcceptArgs a) {
-  pdl_wait();  // before any global access (pdl.cuh)
-  pdl_trigger();
+  pdl_enter();  // before any global access (pdl.cuh)
   extern __shared__ int64_t sm[];
   const int lane = threadIdx.x;
   const int n = a.n;
@@ -125,8 +123,7 @@ __global__ void __launch_bounds__(32) tree_accept_kernel(TreeAcceptArgs a) {
 constexpr int kMaxSharedN = 4096;
 
 __global__ void __launch_bounds__(32) tree_accept_global_kernel(TreeAcceptArgs a) {
-  pdl_wait();  // before any global access (pdl.cuh)
-  pdl_trigger();
+  pdl_enter();  // before any global access (pdl.cuh)
   const int lane = threadIdx.x;
   const long long b = blockIdx.x;
   const size_t o = (size_t)b * a.n;

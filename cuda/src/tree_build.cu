@@ -210,8 +210,7 @@ __device__ void write_outputs(const TreeBuildArgs& a, int b, int n, int W, int u
 
 template <bool kWarp>
 __global__ void __launch_bounds__(kThreads) tree_build_kernel(TreeBuildArgs a) {
-  pdl_wait();  // before any global access (pdl.cuh)
-  pdl_trigger();
+  pdl_enter();  // before any global access (pdl.cuh)
   extern __shared__ double smem[];
   const int n = a.budget + 1, W = (n + 31) / 32;
   const int b = blockIdx.x;
@@ -556,8 +555,7 @@ struct GpuBlock {
 template <bool kStaged>
 __global__ void tree_build_parallel_kernel(TreeBuildArgs a, int cap, int twin, int nord,
                                            const tree::par::Consts C) {
-  pdl_wait();  // before any global access (pdl.cuh)
-  pdl_trigger();
+  pdl_enter();  // before any global access (pdl.cuh)
   extern __shared__ double smem[];
   const int n = a.budget + 1, W = (n + 31) / 32;
   const int b = blockIdx.x;
@@ -841,8 +839,7 @@ __global__ void __launch_bounds__(128) tree_build_warp_kernel(TreeBuildArgs a) {
   long long wt[5];
   wt[0] = clock64();
 #endif
-  pdl_wait();  // before any global access (pdl.cuh)
-  pdl_trigger();
+  pdl_enter();  // before any global access (pdl.cuh)
 #if defined(KDT_PAR_PROFILE)
   wt[1] = clock64();
 #endif
