@@ -6,10 +6,13 @@ reference, for both libraries.
 
     python3 -m bench.tree_ab build/base/libkdtree.so build/new/libkdtree.so
         [--device cuda|cpu] [--cases 64:1023,1:1023,64:255,64:63,1:63,64:15,1:15]
-        [--rounds 2] [--seed 15] [--algo auto]
+        [--rounds 2] [--seed 15] [--algo auto] [--timing alone|call] [--after-torch]
 
-CUDA times the kernel alone (a CUDA graph of 20 calls / 20, bench.timing.time_cuda_graph); the
-CPU the bare call. Prints one line per case: both medians (the median over the rounds of each
+CUDA times the kernel alone (a CUDA graph of 20 calls / 20, bench.timing.time_cuda_graph), or
+with --timing call one call from Python between events as the kernels suite times it (no L2
+flush, the launch included); the CPU the bare call. --after-torch puts a one-element torch
+kernel before each call on the same stream, so that the kernel before the build is not one of
+ours (a drafter's top-k, as in a round) and PDL's edge follows a kernel that never triggers. Prints one line per case: both medians (the median over the rounds of each
 round's median) and B / A. Exits 1 on a wrong tree, 2 on a bad argument.
 """
 
@@ -48,11 +51,12 @@ def _inputs(seed: int, bs: int, budget: int) -> dict:
     return tree_inputs(np.random.default_rng([seed, bs, budget]), bs, L, min(budget, 64))
 
 
-def compare(libs, device: str, cases, rounds: int, seed: int, algo: str, out=print) -> bool:
+def compare(libs, device: str, cases, rounds: int, seed: int, algo: str, out=print,
+            timing: str = "alone", after_torch: bool = False) -> bool:
     """Times every case for each library (rounds x (A, B)); prints a line per case; returns
     False when a library builds a wrong tree (that case is then not timed)."""
     from bench.native_calls import prepare_tree_build
-    from bench.timing import summarize, time_cpu, time_cuda_graph
+    from bench.timing import summarize, time_cpu, time_cuda, time_cuda_graph
     from bench.tree_algo import side_stream, tree_algo
     from bench.validate import TREE_FIELDS, check_exact
     from engine.reference import ddtree
@@ -79,11 +83,21 @@ def compare(libs, device: str, cases, rounds: int, seed: int, algo: str, out=pri
                 ok = False
                 out(f"FAIL bs {bs} budget {budget}: wrong tree: {'; '.join(bad)}")
                 continue
+            fns = [p.run for p in calls]
+            if after_torch:
+                import torch
+
+                x = torch.zeros(1, device="cuda")
+                fns = [lambda run=run: (x.add_(1), run()) for run in fns]
             medians = ([], [])
             for _ in range(rounds):
-                for m, p in zip(medians, calls):
-                    samples = (time_cuda_graph(p.run) if device == "cuda"
-                               else time_cpu(p.run, reps=20))
+                for m, fn in zip(medians, fns):
+                    if device == "cpu":
+                        samples = time_cpu(fn, reps=20)
+                    elif timing == "call":
+                        samples = time_cuda(fn, warmup=3, reps=100, flush_l2=False)
+                    else:
+                        samples = time_cuda_graph(fn)
                     m.append(summarize(samples)["median"])
         a, b = (statistics.median(m) * 1e6 for m in medians)
         out(f"{f'bs {bs} B {budget}':>16} {a:9.2f} {b:9.2f} {b / a:7.3f}")
@@ -100,6 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="A, B alternations (default 2)")
     ap.add_argument("--seed", type=int, default=15)
     ap.add_argument("--algo", default="auto", help="KDT_TREE_BUILD for both (default auto)")
+    ap.add_argument("--timing", choices=("alone", "call"), default="alone",
+                    help="CUDA: the kernel alone (a graph of 20 calls / 20) or one call from "
+                         "Python between events (default %(default)s)")
+    ap.add_argument("--after-torch", action="store_true",
+                    help="CUDA: a one-element torch kernel before each call")
     a = ap.parse_args(argv)
     try:
         cases = parse_cases(a.cases)
@@ -116,11 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     if libs[0].cdll._handle == libs[1].cdll._handle:
         # the dynamic loader hands back the loaded copy for the same file: nothing to compare
         ap.error(f"{a.lib_a} and {a.lib_b} are one library: give two different builds")
+    if a.device == "cpu" and (a.timing != "alone" or a.after_torch):
+        ap.error("--timing call and --after-torch are CUDA options (the CPU times the bare call)")
     if a.device == "cuda":
         for lib in libs:
             if not lib.has_cuda:
                 ap.error(f"{lib.path} is a CPU-only build: use --device cpu, or a CUDA build")
-    return 0 if compare(libs, a.device, cases, a.rounds, a.seed, a.algo) else 1
+    return 0 if compare(libs, a.device, cases, a.rounds, a.seed, a.algo, timing=a.timing,
+                        after_torch=a.after_torch) else 1
 
 
 if __name__ == "__main__":

@@ -209,21 +209,25 @@ for budget in (15, 63, 255):
     ref = ddtree.build_tree(*args[:2], budget, *args[2:])
     tgt = rng.choice(ref.tokens.reshape(-1), size=(4, budget + 1)).astype(np.int64)
     target = torch.from_numpy(tgt).cuda()
-    nat.build_tree(*dev[:2], budget, *dev[2:], device="cuda")  # warm-up outside capture
+    def check(tree, acc, how):
+        for f in FIELDS_TREE:
+            if not np.array_equal(getattr(tree, f).cpu().numpy(), getattr(ref, f)):
+                sys.exit(f"budget {budget}, {how}: tree field {f} differs from the reference")
+        ref_acc = ddtree.accept_greedy(ref, tgt)
+        for f in ("accept_index", "accept_len", "bonus", "status"):
+            if not np.array_equal(getattr(acc, f).cpu().numpy(), getattr(ref_acc, f)):
+                sys.exit(f"budget {budget}, {how}: accept field {f} differs from the reference")
+    tree = nat.build_tree(*dev[:2], budget, *dev[2:], device="cuda")  # eager, back to back
+    acc = nat.accept_greedy(tree, target, device="cuda")
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()  # PDL launches happen under capture only
+    check(tree, acc, "eager")
+    graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         tree = nat.build_tree(*dev[:2], budget, *dev[2:], device="cuda")
         acc = nat.accept_greedy(tree, target, device="cuda")
     graph.replay()
     torch.cuda.synchronize()
-    for f in FIELDS_TREE:
-        if not np.array_equal(getattr(tree, f).cpu().numpy(), getattr(ref, f)):
-            sys.exit(f"budget {budget}: tree field {f} differs from the reference")
-    ref_acc = ddtree.accept_greedy(ref, tgt)
-    for f in ("accept_index", "accept_len", "bonus", "status"):
-        if not np.array_equal(getattr(acc, f).cpu().numpy(), getattr(ref_acc, f)):
-            sys.exit(f"budget {budget}: accept field {f} differs from the reference")
+    check(tree, acc, "graph replay")
 print("ok")
 """
 
@@ -231,9 +235,9 @@ print("ok")
 @pytest.mark.cuda
 @pytest.mark.parametrize("pdl", ["0", "1"])
 def test_build_and_accept_with_and_without_pdl(cuda_ready, pdl):
-    # KDT_PDL is read once per process, so each setting runs in a child process: captured and
-    # replayed, plain launches (0) and programmatic dependent launches (1) give the reference's
-    # trees and walks.
+    # KDT_PDL is read once per process, so each setting runs in a child process: eager, and
+    # captured and replayed, plain launches (0) and programmatic dependent launches (1) give the
+    # reference's trees and walks.
     pytest.importorskip("torch", reason="torch is not installed")
     seed = secrets.randbits(32)
     here = os.path.dirname(os.path.abspath(__file__))

@@ -56,6 +56,8 @@ def test_a_wrong_tree_fails_the_run_and_is_not_timed(two_libs, capsys, monkeypat
     (["--cases", "1x15"], "'1x15' is not bs:budget"),
     (["--rounds", "0"], "--rounds must be >= 1"),
     (["--device", "cuda"], "CPU-only build"),
+    (["--timing", "call"], "CUDA options"),
+    (["--after-torch"], "CUDA options"),
 ])
 def test_bad_arguments_are_named(two_libs, capsys, args, says):
     a, b = two_libs

@@ -9,14 +9,15 @@
 // pdl_trigger() lets the next PDL kernel be scheduled now rather than when this one exits;
 // it changes no ordering (the next kernel still waits in its pdl_wait()).
 //
-// Only under stream capture, where the attribute becomes a programmatic edge of the graph: H200,
-// launched eagerly with it, one call between events took 19-22 us for the tree accept at every
-// bs and budget (kernels suite, run 20261203T070646Z-9f0de7b-bench) against 12-14 us the run
-// before, the build 2-12 us longer, while the kernel alone, replayed from a graph, took
-// 0.92-0.98x. (Two runs on two machines, whose host-bound timings also move: not an A/B in one
-// process.) A kernel launched without the attribute, or on a device before sm_90, takes
-// pdl_wait and pdl_trigger as no-ops.
-// KDT_PDL=0 (read once, on the host) launches plainly under capture too (A/B measurements).
+// Eager launches and launches under stream capture alike (there the attribute becomes a
+// programmatic edge of the graph). H200, bench.tree_ab (two builds of the library in one process,
+// alternating), budgets 15-255, bs 1-64: the kernel alone (a graph of 20 builds) 0.92-0.98x;
+// one call from Python between events 0.955-0.973x. After a torch kernel, which never
+// triggers, the edge gains nothing: kernel alone 1.00-1.02x. (Eager PDL was off for a while,
+// on two bench runs on two machines whose one-call figures differed by 2-12 us; one-call
+// figures are host-bound, and moved 1.6x within one process in the A/B above.) A kernel
+// launched without the attribute, or on a device before sm_90, takes pdl_wait and pdl_trigger
+// as no-ops. KDT_PDL=0 (read once, on the host) launches plainly (A/B measurements).
 #pragma once
 
 #include <cstdlib>
@@ -60,19 +61,8 @@ inline bool pdl_enabled() {
   return on;
 }
 
-// Whether st is capturing (a failed query, e.g. the legacy stream while another stream captures
-// in global mode, counts as no, and its error is cleared so the launch check does not see it).
-inline bool stream_capturing(cudaStream_t st) {
-  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(st, &cs) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return cs == cudaStreamCaptureStatusActive;
-}
-
 // kernel<<<grid, block, smem, st>>>(args...), with the programmatic-serialization attribute when
-// pdl_enabled() and st is capturing; returns the launch's error.
+// pdl_enabled(); returns the launch's error.
 template <class... P, class... A>
 cudaError_t launch_pdl(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t st,
                        A&&... args) {
@@ -85,7 +75,7 @@ cudaError_t launch_pdl(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = pdl_enabled() && stream_capturing(st) ? 1 : 0;
+  cfg.numAttrs = pdl_enabled() ? 1 : 0;
   return cudaLaunchKernelEx(&cfg, kernel, static_cast<P>(args)...);
 }
 
