@@ -39,8 +39,18 @@ __device__ __forceinline__ void pdl_trigger() {
 #endif
 }
 
-// A kernel's first statement when launch_pdl launches it: wait for the kernel before it, then
-// let the next one be scheduled.
+// Before pdl_enter: prefetches the line at v into L2 (a hint: no data reaches the SM, so the
+// kernel before this one may still be writing it), which makes ptxas compute v, from the
+// kernel's parameters, before the wait: their constant-bank loads then overlap the kernel before
+// this one. (An empty asm taking v orders nothing in SASS: ptxas moved those loads below the
+// wait.)
+template <class T>
+__device__ __forceinline__ void pdl_ready(const T* v) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(v));
+}
+
+// Before the first global access of a kernel that launch_pdl launches (its first statement, or
+// after pdl_ready): wait for the kernel before it, then let the next one be scheduled.
 __device__ __forceinline__ void pdl_enter() {
   pdl_wait();
   pdl_trigger();

@@ -555,7 +555,6 @@ struct GpuBlock {
 template <bool kStaged>
 __global__ void tree_build_parallel_kernel(TreeBuildArgs a, int cap, int twin, int nord,
                                            const tree::par::Consts C) {
-  pdl_enter();  // before any global access (pdl.cuh)
   extern __shared__ double smem[];
   const int n = a.budget + 1, W = (n + 31) / 32;
   const int b = blockIdx.x;
@@ -613,10 +612,19 @@ __global__ void tree_build_parallel_kernel(TreeBuildArgs a, int cap, int twin, i
   // bs 64, the staging's first phase 852 -> 1282 cycles and the slots' 838 -> 762, and
   // bench.tree_ab 1.01-1.02x at budget 63, 1.00x at 255 and 1023. Not kept.)
   const int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+  // The parameters and the addresses made from them are read before the wait (pdl_ready), so
+  // that their constant-bank misses overlap the kernel before this one. H200, bench.tree_ab,
+  // kernel alone against the wait at the top: 0.978-0.982x at budgets 255 and 1023 (bs 1-64),
+  // 0.99-1.01x at 63. (The same in the one-warp build: 1.02-1.035x at budgets 15 and 31, and
+  // 1.06x after a torch kernel. Not kept there.)
+  const int64_t* mp = lane == 0 ? a.root_ids + b : a.seq_lens + b;
+  pdl_ready(lp);
+  pdl_ready(ids);
+  pdl_ready(mp);
+  pdl_enter();  // before any global access (pdl.cuh); the parameters are read above it
   if ((int)(threadIdx.x >> 5) == nw - 1) {
     warp_prefetch_l1(ids, lk * sizeof(int64_t), lane);
-    if (lane == 0) meta[0] = __ldg(a.root_ids + b);
-    if (lane == 1) meta[1] = __ldg(a.seq_lens + b);
+    if (lane < 2) meta[lane] = __ldg(mp);
   }
   // Staged: the first phase's work is done here, on the values as they arrive (build's pre):
   // each thread checks the log-probs it stages, a warp's verdicts are reduced into chk, and
