@@ -243,7 +243,10 @@ inline bool plan(int budget, int L, int K, size_t limit, Plan* p) {
   return false;
 }
 
-// Threads per CTA for a budget (the CUDA launch and the CPU emulation's default).
+// Threads per CTA for a budget (the CUDA launch and the CPU emulation's default). H200,
+// bench.tree_ab against this choice, kernel alone: 512 threads from budget 128 on took 1.00x at
+// 127 and 1.02-1.07x at 255 (bs 1-64; 1.45x at bs 256), 128 threads up to budget 63 took
+// 1.02-1.03x at 32 and 1.08-1.12x at 63 (bs 1-64).
 KDT_HD int threads_for(int budget) { return budget < 512 ? 256 : 512; }
 
 // Measurement and test knobs, read per call by the CUDA launch and the CPU emulation alike:
