@@ -12,8 +12,10 @@ CUDA times the kernel alone (a CUDA graph of 20 calls / 20, bench.timing.time_cu
 with --timing call one call from Python between events as the kernels suite times it (no L2
 flush, the launch included); the CPU the bare call. --after-torch puts a one-element torch
 kernel before each call on the same stream, so that the kernel before the build is not one of
-ours (a drafter's top-k, as in a round) and PDL's edge follows a kernel that never triggers. Prints one line per case: both medians (the median over the rounds of each
-round's median) and B / A. Exits 1 on a wrong tree, 2 on a bad argument.
+ours (as a torch drafter's top-k would be) and PDL's edge follows a kernel that never
+triggers; both figures of a case then include that kernel. Prints one line per case: both
+medians (the median over the rounds of each round's median) and B / A. Exits 1 on a wrong
+tree, 2 on a bad argument.
 """
 
 from __future__ import annotations
@@ -126,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(e))
     if a.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {a.rounds}")
+    if a.device == "cpu" and (a.timing != "alone" or a.after_torch):
+        ap.error("--timing call and --after-torch are CUDA options (the CPU times the bare call)")
     for p in (a.lib_a, a.lib_b):
         if not p.is_file():
             ap.error(f"no library at {p}")
@@ -135,8 +139,6 @@ def main(argv: list[str] | None = None) -> int:
     if libs[0].cdll._handle == libs[1].cdll._handle:
         # the dynamic loader hands back the loaded copy for the same file: nothing to compare
         ap.error(f"{a.lib_a} and {a.lib_b} are one library: give two different builds")
-    if a.device == "cpu" and (a.timing != "alone" or a.after_torch):
-        ap.error("--timing call and --after-torch are CUDA options (the CPU times the bare call)")
     if a.device == "cuda":
         for lib in libs:
             if not lib.has_cuda:
