@@ -265,6 +265,19 @@ def test_cuda_warp_large_batch(monkeypatch, cuda_ready, budget):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("L,K", [(1, 1), (1, 3), (3, 5), (15, 15), (7, 31), (16, 64), (16, 65)])
+def test_cuda_warp_bulk_staging(monkeypatch, cuda_ready, L, K):
+    # The one-warp build stages a request's log-probs with 16-byte loads between a scalar head
+    # and tail (warp_stage) and its ids with cp.async: consecutive requests of odd L K start at
+    # every offset in a 16-byte unit, and the smallest arrays are all head. 16 x 64 is the
+    # largest that stages the ids; 16 x 65 gathers them from global memory instead.
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    for ties in (False, True):
+        _check(monkeypatch, "warp", rng, 7, L, K, 31, ties, seed, device="cuda")
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("mode", ["parallel", "warp"])
 @pytest.mark.parametrize("positive", [False, True])
 def test_cuda_parallel_adversarial(monkeypatch, cuda_ready, positive, mode):

@@ -875,7 +875,14 @@ __global__ void __launch_bounds__(128) tree_build_warp_kernel(TreeBuildArgs a) {
   // token ids from L1 or L2 after the build. H200, bench.tree_ab, kernel alone, both launched
   // with PDL: 0.93-0.96x at budgets 15 and 31, bs 1-64; the outputs' phase at bs 1, budget 15
   // from 1187 to 960 cycles (KDT_PAR_PROFILE probes below). The staging phase stayed at ~2.7k
-  // cycles there: its one round trip, on a cold SM.
+  // cycles there; a second pass over the same request in the same kernel (its data in L1, its
+  // code cached) still took ~1.6k: the phase is mostly its ~390 instructions a lane, not the
+  // round trip. (Two bulk copies instead, cp.async.bulk on an mbarrier, lane 0 issuing, the
+  // lanes loading the sub-16-byte tails and converting the log-probs in shared memory
+  // afterwards: about half the instructions, and the phase went from
+  // 2.84k to 2.36k cycles at bs 1 and 2.88k to 2.04k at bs 64, budget 15; yet bench.tree_ab,
+  // kernel alone, measured it 1.03-1.055x slower at bs 1, budgets 1-31, 1.00x at bs 64 and
+  // 0.98-1.00x at bs 1024. Not kept.)
   const int64_t m = lane < 2 ? __ldg(lane == 0 ? a.root_ids + b : a.seq_lens + b) : 0;
   double* staged = kStaged ? reinterpret_cast<double*>(ns + n) : nullptr;
   int64_t* sids = warp_ids_bytes(a.L, a.K)
