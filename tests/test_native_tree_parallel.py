@@ -264,6 +264,29 @@ def test_cuda_warp_large_batch(monkeypatch, cuda_ready, budget):
                device="cuda")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["warp", "parallel", "serial"])
+def test_signed_zero_log_probs(monkeypatch, request, device, mode):
+    # A drafter certain of its token gives log-probs of 0, of either sign: scores of -0.0 and
+    # +0.0 compare equal (the reference's heap ties them and the rank path decides), and each
+    # keeps the sign its chain gives it (compared bit for bit).
+    if device == "cuda":
+        request.getfixturevalue("cuda_ready")
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    for budget in (1, 7, 31, 63, 255):
+        for pool in ((-0.0, 0.0), (-0.0, 0.0, -0.5, -1.0)):
+            lp = rng.choice(np.array(pool, np.float32), size=(3, 6, 4))
+            lp = np.ascontiguousarray(-np.sort(-lp, axis=2), np.float32)
+            args = (lp, rng.integers(0, 1000, size=lp.shape).astype(np.int64),
+                    rng.integers(0, 1000, size=3).astype(np.int64),
+                    rng.integers(0, 5000, size=3).astype(np.int64))
+            monkeypatch.setenv("KDT_TREE_BUILD", mode)
+            got = native().build_tree(*args[:2], budget, *args[2:], device=device)
+            assert_same(got, ddtree.build_tree(*args[:2], budget, *args[2:]), FIELDS_TREE,
+                        f"seed={seed} mode={mode} device={device} budget={budget} pool={pool}")
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("L,K", [(1, 1), (1, 3), (3, 5), (15, 15), (7, 31), (16, 64), (16, 65)])
 def test_cuda_warp_bulk_staging(monkeypatch, cuda_ready, L, K):
