@@ -4,8 +4,8 @@ stream the kernel-alone timing needs (graph capture refuses the legacy default s
 CUDA: "auto" (the default: the one-warp build up to budget 31, the block-parallel one above),
 "parallel" (the block-parallel build at every budget) and "serial" (the earlier kernel, kept as the
 reference path); "warp" (the one-warp build at budgets up to 1023) equals "auto" up to 31 and
-is timed above that by bench/tree_goals.py only. CPU: "serial" (the backend's binary heap; the parallel algorithm's CPU emulation is a
-test path, not a fast one).
+is timed above that by bench/tree_goals.py only. CPU: "serial" (the backend's binary heap; the
+parallel algorithm's CPU emulation is a test path, not a fast one).
 """
 
 from __future__ import annotations
