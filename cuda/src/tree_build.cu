@@ -381,7 +381,13 @@ struct GpuBlock {
   // rank-0 subtree sets the queue's depth either way: on bench inputs the pool runs as deep as
   // the tree it holds, 4.4 levels on average and at most 9 against the tree's 7, at bs 64. A
   // narrow batch's offsets from seven bit-plane ballots and each child's run from a lane mask
-  // of the run starts, instead of the two five-shuffle chains below (3507b8f): 0.98-1.01x.)
+  // of the run starts, instead of the two five-shuffle chains below (3507b8f): 0.98-1.01x.
+  // Sharing a batch's entries past its first 32 with idle warps instead, 32 at a time through
+  // slots in shared memory that idle warps poll, with a count of the busy warps and the
+  // chunks not taken to end: 1.06-1.07x at bs 1 and 64, budgets 47 and 63, 0.98-0.99x at bs
+  // 16 and 1024. A wide batch no longer took 2.0k cycles, but the polling slowed every batch
+  // (a placement's atomic 335 -> 485 cycles, its run lengths 620 -> 730) and the end took
+  // ~0.85k cycles more; sleeping 32 ns between polls measured the same. Not kept.)
   template <class Len, class Put>
   __device__ int expand(unsigned* work, uint32_t* cand, int* off, int n0, int cap, Len len,
                         Put put) {

@@ -49,8 +49,11 @@
 //      bucket sort's three. A warp an entry and a lane a column instead, the columns' scores
 //      in registers: 1.32x at bs 64 and 1.13x at bs 1, budget 63, ~350 cycles an entry in
 //      series in its warp, ~800 with a tie; four entries an iteration was slower still:
-//      8f7e796 and 7e71da8, reverted.) Parents and child lists (prepend rule) follow from
-//      the order: a run is contiguous, so a node's left sibling is the entry before it.
+//      8f7e796 and 7e71da8, reverted. G lanes an entry, G picked from the pool's size, each a
+//      stride of the columns, a shuffle sum: 7.5k cycles at bs 1, budget 63 (profile, seed
+//      5) against the buckets' 5.0k; bs 64's slowest block 42.7k against 21.7k. Not kept.)
+//      Parents and child lists (prepend rule) follow from the order: a run is contiguous, so
+//      a node's left sibling is the entry before it.
 // Masses of exact ties that overflow the pool even so are declined as well.
 //
 // The Block (tree_build.cu's GpuBlock, tree_build_cpu.cpp's CpuBlock) runs each phase for every
