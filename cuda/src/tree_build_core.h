@@ -66,7 +66,10 @@ KDT_HD uint64_t cand_key(uint32_t c, const Scratch& s) {
 
 // Lexicographic comparison of two distinct candidates' rank paths: < 0 when a sorts first
 // (a proper prefix sorts first). Walks emitted nodes' parents: O(L) per call; it only runs
-// on exact float64 score ties, which are common (bf16 logits give equal log-probs).
+// on exact float64 score ties, which are common (bf16 logits give equal log-probs). Inlined
+// like the rest: out of line (__noinline__) on CUDA, with the parallel build's zero_score, the
+// one-warp kernels' code shrank (S = 32: 259 KB -> 83 KB) but the parallel kernel's registers
+// rose from 80 to 128, and the H200 measured 1.03-1.06x at budgets 15 to 255 (bench.tree_ab).
 KDT_HD int compare_paths(uint32_t a, uint32_t b, const uint32_t* node_cand) {
   const int da = cand_depth(a), db = cand_depth(b);
   // (parent, rank) name the path element at the current depth of each walk.

@@ -646,7 +646,14 @@ KDT_HD double child_score(const float* row, double s, int r, int d) {
 // Expanding whole rank-0 chains at once (an entry's chain nodes scored from the chain's prefix
 // sums, their runs placed together; the root's chain by the block) cut the batches on paper
 // but cost 2.5-3.0k cycles a batch before its allocation: with the order above, 1.81x at bs 64,
-// budget 63 (8f7e796, reverted).
+// budget 63 (8f7e796, reverted). The root's chain alone, by the block before the queue (each
+// chain node's run at or above t, placed by blk.offsets, written in one phase; the chain
+// nodes then not expanded again): the median block ran 3 batches instead of 5, but the phase
+// took 3.3k cycles against the root's run's 1.0k. H200, bench.tree_ab, budget 63, three
+// draws: bs 64 0.90x, 0.94x and 1.00x; bs 256 0.87-0.92x; bs 4 0.89-1.08x; bs 1 1.01-1.09x;
+// budget 32 at bs 64 1.08x. Counting the runs in every warp's lanes instead (no barrier
+// before the writes) took 2.7k cycles and made every later batch slower (its run lengths
+// 620 -> 1370 cycles), 1.03-1.26x. Neither kept.
 
 // The exactness check's verdict over some log-probs: kAnomaly | kInexact, and the lowest set
 // bit and the top bit exponents of the nonzero ones (1 << 30 and -(1 << 30) when there are none).
