@@ -70,6 +70,10 @@ KDT_HD uint64_t cand_key(uint32_t c, const Scratch& s) {
 // like the rest: out of line (__noinline__) on CUDA, with the parallel build's zero_score, the
 // one-warp kernels' code shrank (S = 32: 259 KB -> 83 KB) but the parallel kernel's registers
 // rose from 80 to 128, and the H200 measured 1.03-1.06x at budgets 15 to 255 (bench.tree_ab).
+// Its loops and zero_score's kept rolled instead (unroll 1): the parallel kernel's code 151 ->
+// 123 KB, the one-warp kernel's (S = 32) 259 -> 112 KB, but the parallel build took the same
+// time (0.99-1.02x at budgets 63 to 1023: its instruction fetch is not what it waits on) and
+// the one-warp build 1.02-1.065x (a pop's tie walks).
 KDT_HD int compare_paths(uint32_t a, uint32_t b, const uint32_t* node_cand) {
   const int da = cand_depth(a), db = cand_depth(b);
   // (parent, rank) name the path element at the current depth of each walk.
