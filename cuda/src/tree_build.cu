@@ -189,7 +189,13 @@ __device__ void block_write_visibility(uint32_t* vis, int n, int W, int used,
 
 // The whole block writes one request's outputs from the node arrays (node order, slot 0 the
 // root): slots, links, visibility words. root and seq_len: the request's (loaded early by the
-// caller). mark(id): a profiling probe.
+// caller). mark(id): a profiling probe. (The parallel build writing every slot but
+// first_child, and rows of up to two words walked through the pool, in its nodes phase
+// instead, first_child alone after it: at bs 64, budget 63 the nodes phase took 1641 cycles
+// against 568 and what followed it 682 against 1623, so budget 63 took 1.00-1.02x and budgets
+// 127-1023 0.98-1.035x (H200, bench.tree_ab); the kernel's registers rose from 80 to 84-96,
+// two blocks of 256 threads a multiprocessor instead of three, and bs 1024, budget 63 took
+// 1.23-1.25x (capped at 80 with __maxnreg__, 1.01-1.13x everywhere). Not kept.)
 template <class Mark>
 __device__ void write_outputs(const TreeBuildArgs& a, int b, int n, int W, int used,
                               const uint32_t* node_cand, const double* node_score,
@@ -387,7 +393,12 @@ struct GpuBlock {
   // chunks not taken to end: 1.06-1.07x at bs 1 and 64, budgets 47 and 63, 0.98-0.99x at bs
   // 16 and 1024. A wide batch no longer took 2.0k cycles, but the polling slowed every batch
   // (a placement's atomic 335 -> 485 cycles, its run lengths 620 -> 730) and the end took
-  // ~0.85k cycles more; sleeping 32 ns between polls measured the same. Not kept.)
+  // ~0.85k cycles more; sleeping 32 ns between polls measured the same. Not kept. Taking the
+  // pool in chunks of at least 32 entries a warp, so that a batch whose runs fit in what is
+  // left of its warp's chunk takes no atomic (a chunk's unused entries made holes of score
+  // -inf, which no phase keeps): 1.01-1.07x at budgets 33-63, bs 1-1024. The placement did
+  // not get cheaper (its probe 344 -> 561-595 cycles at bs 64, budget 63) and the queue's end,
+  // marking the last holes, took ~400 cycles more. Not kept.)
   template <class Len, class Put>
   __device__ int expand(unsigned* work, uint32_t* cand, int* off, int n0, int cap, Len len,
                         Put put) {

@@ -51,7 +51,13 @@
 //      series in its warp, ~800 with a tie; four entries an iteration was slower still:
 //      8f7e796 and 7e71da8, reverted. G lanes an entry, G picked from the pool's size, each a
 //      stride of the columns, a shuffle sum: 7.5k cycles at bs 1, budget 63 (profile, seed
-//      5) against the buckets' 5.0k; bs 64's slowest block 42.7k against 21.7k. Not kept.)
+//      5) against the buckets' 5.0k; bs 64's slowest block 42.7k against 21.7k. Not kept.
+//      A merge for the queue's pool up to 256 entries: each warp sorts a chunk of 32 entries
+//      with a bitonic network of shuffles, then an entry's rank is its slot plus a six-probe
+//      binary search of every other chunk on score and key (ties of both, rare, compared by
+//      rank path after). Two phases, but at bs 64, budget 63 (profile, seed 5) the sort took
+//      2.8k cycles and the ranks 6.6k, against 4.2k for the buckets' three phases: H200,
+//      bench.tree_ab, 1.11-1.21x at budgets 33-63, bs 1-1024. Not kept.)
 //      Parents and child lists (prepend rule) follow from the order: a run is contiguous, so
 //      a node's left sibling is the entry before it.
 // Masses of exact ties that overflow the pool even so are declined as well.
@@ -637,7 +643,11 @@ KDT_HD double child_score(const float* row, double s, int r, int d) {
 // at larger ones (428 at 255, at most 1460; 3675 at 1023), where the levels' refinements keep
 // the pool and the order's buckets small. H200, bench.tree_ab against the levels (with the
 // block-wide queue below), kernel alone: budget 63 0.96x at bs 64, 0.93x at bs 16, 0.89x at bs
-// 4, 0.92x at bs 1; budget 127 1.06x at bs 64 (0.95x at bs 1); budget 255 1.15x. A queue that
+// 4, 0.92x at bs 1; budget 127 1.06x at bs 64 (0.95x at bs 1); budget 255 1.15x. Measured
+// again with today's warp-local batches, the queue up to budget 255 (runs longer than 64
+// counted by count_at_least): budget 127 0.98-1.01x at bs 1, 1.04x at bs 4, 1.48x at bs 64;
+// budget 255 1.15-1.92x at bs 1, 1.36-2.12x at bs 4-256; up to 511, budget 511 1.8-2.7x.
+// So the levels stay above 63, at bs 1 too. A queue that
 // would overflow the pool stops, and the levels run. The warp-local batches replaced a
 // block-wide queue in which any warp took any entry once its ready flag was set (about 1.3k
 // cycles a level: ~200 to see the entry, ~200 for its run length, ~400 to allocate, ~550 to
