@@ -35,7 +35,7 @@ PHASES = {
     12: "staging: warps' verdicts", 13: "staging: chain sums", 14: "staging: barrier",
     0: "staging", 1: "exactness check, chain sums", 2: "exactness verdict",
     20: "family sized", 21: "family's lowest score", 4: "bins made",
-    5: "histogram pass", 3: "first threshold", 6: "queue: the root's run", 7: "queue: drained",
+    5: "histogram pass", 3: "first threshold", 6: "queue: the first runs", 7: "queue: drained",
     70: "queue: a batch's run lengths", 71: "queue: its runs placed",
     72: "queue: its children written",
     80: "order: buckets", 81: "order: ranks", 85: "order: placed", 82: "nodes", 96: "slots",

@@ -367,20 +367,20 @@ struct GpuBlock {
     }
     return base;
   }
-  // The queue (tree_build_parallel.h, section 1'): entries [1, n0) are written (the root's
-  // run). Warp w of W takes the w-th of W equal shares of them as its first batch, then, batch
-  // by batch, the children it wrote itself: a batch's run lengths (len(i)), one atomic on *work
-  // (the entries allocated) for all its runs, placed contiguously there in batch order, and the
-  // children written flattened, a child a lane (put(i, e, r) writes rank r of entry i into entry
-  // e, score and key, and returns its cand, stored here). No entry passes between warps, so no
-  // entry waits on a ready flag or a fence: a __syncwarp orders a batch's writes before the next
-  // batch reads them. A batch of at most 32 entries keeps its lengths and offsets in registers
-  // (a lane each; the children's runs found by a binary search over the lanes' offsets); a
-  // larger one writes its offsets to off[i] and searches them there. Returns the entries
-  // allocated, or -1 when they would pass cap (the pool is then incomplete). *work must hold n0
-  // (written before a barrier). Every thread calls it; it ends with a barrier. Profiling probes
-  // (thread 0: warp 0's batches, the share that holds the root's rank-0 child): 70 after a
-  // batch's run lengths, 71 once its runs are placed, 72 once its children are written.
+  // The queue (tree_build_parallel.h, section 1'): entries [1, n0) are written (the root's run and
+  // its rank-0 child's; len gives that child 0). Warp w of W takes the w-th of W equal shares of
+  // them as its first batch, then, batch by batch, the children it wrote itself: a batch's run
+  // lengths (len(i)), one atomic on *work (the entries allocated) for all its runs, placed
+  // contiguously there in batch order, and the children written flattened, a child a lane (put(i,
+  // e, r) writes rank r of entry i into entry e, score and key, and returns its cand, stored here).
+  // No entry passes between warps, so no entry waits on a ready flag or a fence: a __syncwarp
+  // orders a batch's writes before the next batch reads them. A batch of at most 32 entries keeps
+  // its lengths and offsets in registers (a lane each; the children's runs found by a binary search
+  // over the lanes' offsets); a larger one writes its offsets to off[i] and searches them there.
+  // Returns the entries allocated, or -1 when they would pass cap (the pool is then incomplete).
+  // *work must hold n0 (written before a barrier). Every thread calls it; it ends with a barrier.
+  // Profiling probes (thread 0: warp 0's batches, the share that holds the root's rank-0 child): 70
+  // after a batch's run lengths, 71 once its runs are placed, 72 once its children are written.
   // (Dealing the root's run out a rank at a time instead, warp w taking ranks w, w + W, ..., so
   // that the best ranks' subtrees go to different warps: H200, bench.tree_ab, kernel alone,
   // 1.03-1.06x at budgets 33 to 63, bs 1 to 256 (bs 64, budget 63: 14.29 -> 15.11 us). The
@@ -403,7 +403,7 @@ struct GpuBlock {
   __device__ int expand(unsigned* work, uint32_t* cand, int* off, int n0, int cap, Len len,
                         Put put) {
     const int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-    const int share = (n0 - 1 + nw - 1) / nw;  // of the root's run, a warp's first batch
+    const int share = (n0 - 1 + nw - 1) / nw;  // of the first runs, a warp's first batch
     int lo = 1 + (threadIdx.x >> 5) * share, hi = min(n0, lo + share);  // the batch: [lo, hi)
     while (lo < hi) {
       const int m = hi - lo;

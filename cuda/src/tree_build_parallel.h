@@ -22,10 +22,11 @@
 //      at its end, (0, ..., 0, r), the depth-2 grid (r1 >= 1, r2) of side about sqrt(2 B), and
 //      the grid's corner extended by up to three rank-0 steps; the family's B-th best is <= the
 //      tree's B-th best.
-//   1'. Up to budget kQueueMaxBudget, the nodes at or above t go through a queue instead: the
-//      root's run by the block, then each warp expands a share of it and, batch by batch, the
-//      children it wrote itself, each entry's run (the same count) placed at the end of the pool
-//      (Block::expand). A queue that would overflow the pool gives way to the levels.
+//   1'. Up to budget kQueueMaxBudget, the nodes at or above t go through a queue instead: the runs
+//      of the root and of its rank-0 child by the block (kChainRuns), then each warp expands a
+//      share of them and, batch by batch, the children it wrote itself, each entry's run (the same
+//      count) placed at the end of the pool (Block::expand). A queue that would overflow the pool
+//      gives way to the levels.
 //   1. Level by level, each kept node of the previous level gets a run of children, ranks
 //      0..c-1 with s(parent) + lp[d][r] >= t (c by a 4-ary search, last_pass: scores fall
 //      along a row), placed by a block scan of the lengths (runs in parent order), then
@@ -93,6 +94,16 @@ constexpr int kMaxPool = 3072;  // pool capacity bound
 // (section 1'; see Block::expand below), and the queue's pool there.
 constexpr int kQueueMaxBudget = 63;
 constexpr int kQueuePool = 512;
+// The queue starts from the runs of the rank-0 chain's first kChainRuns nodes: the root's and
+// its rank-0 child's (build, section 1'), so that the rank-0 child's subtree, the deepest, is
+// shared among the warps from its second level on. H200, bench.tree_ab against the root's run
+// alone, kernel alone, three draws at budget 63: bs 64 0.865-0.963x, bs 256 0.953x, bs 1024
+// 0.946x, bs 16 0.973x; bs 1 0.96-1.05x, bs 4 0.91-1.043x; budgets 33 and 47 0.967-0.971x
+// (bs 1, 64). Three runs (the chain to depth 2): bs 1 budget 63 1.075x, bs 64 0.94x; four:
+// 1.11x and 0.91x (its first phase took 4.5k cycles against 1.0k); the counts of four runs
+// side by side instead of one after another (their rows clamped, the runs masked after): 1.03-
+// 1.25x, the code laid out worse (bs 1 budget 33 1.10x, where the chain changes nothing).
+constexpr int kChainRuns = 2;
 
 // Pool capacity for a budget: kQueuePool up to kQueueMaxBudget, else 4 (budget + 1) rounded up
 // to a multiple of 256, at most kMaxPool. Any capacity > budget is correct (a pool that
@@ -633,23 +644,23 @@ KDT_HD double child_score(const float* row, double s, int r, int d) {
   return sc == 0.0 ? zero_score(row, s, r, d) : sc;
 }
 
-// The queue: up to kQueueMaxBudget (above), the build expands the nodes at or above the first
-// bound through a queue (Block::expand) instead of level by level. On the GPU each warp expands
-// a share of the root's run and then the children it wrote itself, a batch at a time: the
-// batch's run lengths, one shared atomic to place all its runs, its children written a lane
-// each. No barrier and no hand-over between warps, so no level waits for the block's slowest
-// parent or for a count, scan and write (~2.6k cycles a level). The first bound leaves few nodes
-// above it at small budgets (bench inputs, 64 requests: 79 at budget 63, at most 162) and more
-// at larger ones (428 at 255, at most 1460; 3675 at 1023), where the levels' refinements keep
+// The queue: up to kQueueMaxBudget (above), the build expands the nodes at or above the first bound
+// through a queue (Block::expand) instead of level by level. On the GPU each warp expands a share
+// of the first runs (the root's and its rank-0 child's) and then the children it wrote itself, a
+// batch at a time: the batch's run lengths, one shared atomic to place all its runs, its children
+// written a lane each. No barrier and no hand-over between warps, so no level waits for the block's
+// slowest parent or for a count, scan and write (~2.6k cycles a level). The first bound leaves few
+// nodes above it at small budgets (bench inputs, 64 requests: 79 at budget 63, at most 162) and
+// more at larger ones (428 at 255, at most 1460; 3675 at 1023), where the levels' refinements keep
 // the pool and the order's buckets small. H200, bench.tree_ab against the levels (with the
-// block-wide queue below), kernel alone: budget 63 0.96x at bs 64, 0.93x at bs 16, 0.89x at bs
-// 4, 0.92x at bs 1; budget 127 1.06x at bs 64 (0.95x at bs 1); budget 255 1.15x. Measured
-// again with today's warp-local batches, the queue up to budget 255 (runs longer than 64
-// counted by count_at_least): budget 127 0.98-1.01x at bs 1, 1.04x at bs 4, 1.48x at bs 64;
-// budget 255 1.15-1.92x at bs 1, 1.36-2.12x at bs 4-256; up to 511, budget 511 1.8-2.7x.
-// So the levels stay above 63, at bs 1 too. A queue that
-// would overflow the pool stops, and the levels run. The warp-local batches replaced a
-// block-wide queue in which any warp took any entry once its ready flag was set (about 1.3k
+// block-wide queue below), kernel alone: budget 63 0.96x at bs 64, 0.93x at bs 16, 0.89x at bs 4,
+// 0.92x at bs 1; budget 127 1.06x at bs 64 (0.95x at bs 1); budget 255 1.15x. Measured again with
+// today's warp-local batches, the queue up to budget 255 (runs longer than 64 counted by
+// count_at_least): budget 127 0.98-1.01x at bs 1, 1.04x at bs 4, 1.48x at bs 64; budget 255
+// 1.15-1.92x at bs 1, 1.36-2.12x at bs 4-256; up to 511, budget 511 1.8-2.7x. So the levels stay
+// above 63, at bs 1 too. A queue that would overflow the pool stops, and the levels run. The
+// warp-local batches replaced a block-wide queue in which any warp took any entry once its ready
+// flag was set (about 1.3k
 // cycles a level: ~200 to see the entry, ~200 for its run length, ~400 to allocate, ~550 to
 // write a child, behind a fence): H200, bench.tree_ab against it, budget 63 0.94x at bs 64,
 // 0.96x at bs 1024, 0.99-1.00x at bs 1, 4 and 256, 1.02x at bs 16; budget 47 0.98-0.99x.
@@ -663,7 +674,9 @@ KDT_HD double child_score(const float* row, double s, int r, int d) {
 // draws: bs 64 0.90x, 0.94x and 1.00x; bs 256 0.87-0.92x; bs 4 0.89-1.08x; bs 1 1.01-1.09x;
 // budget 32 at bs 64 1.08x. Counting the runs in every warp's lanes instead (no barrier
 // before the writes) took 2.7k cycles and made every later batch slower (its run lengths
-// 620 -> 1370 cycles), 1.03-1.26x. Neither kept.
+// 620 -> 1370 cycles), 1.03-1.26x. Neither kept. The first two runs of that chain instead
+// (kChainRuns), counted by every thread alike and written in the root's phase, with no phase
+// of their own: kept.
 
 // The exactness check's verdict over some log-probs: kAnomaly | kInexact, and the lowest set
 // bit and the top bit exponents of the nonzero ones (1 << 30 and -(1 << 30) when there are none).
@@ -810,10 +823,10 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
   blk.mark(3);
   int c = 0, lb = 0, le = 1, kept = 0;
   // ---- 1'. the queue: every node at or above t, expanded as soon as it is written ----------
-  // The root's run by the block, then Block::expand: each entry's run length, its run allocated
-  // at the end of the pool, its children written. The pool then holds exactly the nodes at or
-  // above t (scores fall along a path), in an order that depends on the schedule; nothing below
-  // depends on that order (a run stays contiguous).
+  // The first runs by the block (kChainRuns), then Block::expand: each entry's run length, its run
+  // allocated at the end of the pool, its children written. The pool then holds exactly the nodes
+  // at or above t (scores fall along a path), in an order that depends on the schedule; nothing
+  // below depends on that order (a run stays contiguous).
   bool queued = false;
   if (bd.has && budget <= kQueueMaxBudget) {
     const Pool P = A.pool(0);
@@ -828,19 +841,57 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
       return pack((uint32_t)i, (uint32_t)r, (uint32_t)d);
     };
     static_assert(kQueueMaxBudget <= 64, "the queue counts runs with count_at_least64");
-    const int c1 = top >= tt ? count_at_least64(lp, kc, 0.0, tt) : 0;
+    // The runs of the rank-0 chain's first kChainRuns nodes (the root's first), computed by
+    // every thread alike and written in one phase, run d (of the chain node of depth d) after
+    // run d - 1, whose first entry is that node. Each chain node's score is its parent's
+    // child_score, as put gives it; its key is 0. The chain nodes of depth >= 1 whose runs are
+    // written here are not expanded again (len gives them 0).
+    double cs[kChainRuns];
+    int cc[kChainRuns], cp[kChainRuns + 1];
+    cp[0] = 1;
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+    for (int d = 0; d < kChainRuns; ++d) {
+      cs[d] = d == 0 || d > L ? 0.0 : child_score(lp + (size_t)(d - 1) * K, cs[d - 1], 0, d);
+      const bool live = d < L && (d == 0 ? top >= tt : cc[d - 1] > 0);
+      cc[d] = live ? count_at_least64(lp + (size_t)d * K, kc, cs[d], tt) : 0;
+      cp[d + 1] = cp[d] + cc[d];
+    }
+    const int n0 = cp[kChainRuns];
     blk.run([&](int t) {
-      for (int k = t; k < c1; k += T) P.cand[1 + k] = put(0, 1 + k, k);
-      if (t == 0) S.work = (unsigned)(1 + c1);
+      for (int k = 1 + t; k < n0; k += T) {
+        // k's run d, its first entry, its parent's entry and score (selects: the arrays stay
+        // in registers)
+        int d = 0, first = cp[0], parent = 0;
+        double ps = cs[0];
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+        for (int j = 1; j < kChainRuns; ++j) {
+          if (k >= cp[j]) { d = j; first = cp[j]; parent = cp[j - 1]; ps = cs[j]; }
+        }
+        const int r = k - first;
+        const float* row = lp + (size_t)d * K;
+        P.score[k] = child_score(row, ps, r, d + 1);
+        P.key[k] = child_key(A, 0ull, r, d + 1);
+        P.cand[k] = pack((uint32_t)parent, (uint32_t)r, (uint32_t)(d + 1));
+      }
+      if (t == 0) S.work = (unsigned)n0;
       for (int i = t; i < kBins; i += T) A.hist[i] = 0;  // the order's, here without a barrier
     });
     hist_clean = true;
     blk.mark(6);
     const int n = blk.expand(
-        &S.work, P.cand, A.cnt, 1 + c1, cap,
+        &S.work, P.cand, A.cnt, n0, cap,
         [&](int i) {
+          bool done = false;  // a chain node whose run is written
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+          for (int j = 0; j + 1 < kChainRuns; ++j) done |= i == cp[j] && cc[j] > 0;
           const int d = cand_depth(P.cand[i]);
-          if (d >= L) return 0;
+          if (d >= L || (i < n0 && done)) return 0;
           const float* row = lp + (size_t)d * K;
           const double s = P.score[i];
           return count_at_least64(row, kc, s, tt);
