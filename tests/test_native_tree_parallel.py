@@ -164,18 +164,21 @@ def test_parallel_cpu_strict_queue_overflow(monkeypatch, scale):
 
 
 def _wide_batch_inputs(bs, L, step, tie_from):
-    """Budget 40: depth 1 keeps rank 0 only; depth 2 has 64 cheap ranks (each 2^-12 below the
-    last, equal from rank tie_from on); deeper rows a cheap rank 0 (step x 2^-12) and deviations
-    near -0.5. The nodes at or above the first bound are one run of 40 under the depth-1 node,
-    then their rank-0 lines: on the GPU the warp that takes that node expands batches of 40 at
-    level after level (more than a warp's 32 lanes: GpuBlock::expand's wide path), while the
-    pool stays in the queue's 512 (a probe in the CPU emulation, when written: 250, 242, 414 and
-    402 entries for the cases below). Every value is a multiple of 2^-12: the sums are exact."""
+    """Budget 40: depths 1 and 2 keep rank 0 only; depth 3 has 64 cheap ranks (each 2^-12
+    below the last, equal from rank tie_from on); deeper rows a cheap rank 0 (step x 2^-12) and
+    deviations near -0.5. The nodes at or above the first bound are one run of 40 under the
+    depth-2 node, then their rank-0 lines. The queue's first runs (the root's and its rank-0
+    child's) hold one node each, so on the GPU the warp that takes the depth-2 node expands
+    batches of 40 at level after level (more than a warp's 32 lanes: GpuBlock::expand's wide
+    path), while the pool stays in the queue's 512 (a probe of the warps' batches in the CPU
+    emulation, when written: batches of 40 at most, pools of 227, 223, 375 and 363 entries for
+    the cases below; with the wide run one level higher, the first runs would spread it over
+    the warps, 6 entries a batch). Every value is a multiple of 2^-12: the sums are exact."""
     r = np.arange(64, dtype=np.float64)
     lp = np.empty((L, 64))
-    lp[0] = np.r_[-2.0 ** -10, -1.0 - r[1:] / 64]
-    lp[1] = -(np.minimum(r, tie_from) + 1) * 2.0 ** -12
-    lp[2:] = np.r_[-step * 2.0 ** -12, -0.5 - r[1:] / 4096]
+    lp[:2] = np.r_[-2.0 ** -10, -1.0 - r[1:] / 64]
+    lp[2] = -(np.minimum(r, tie_from) + 1) * 2.0 ** -12
+    lp[3:] = np.r_[-step * 2.0 ** -12, -0.5 - r[1:] / 4096]
     lp = np.ascontiguousarray(np.broadcast_to(lp, (bs, L, 64)), dtype=np.float32)
     ids = np.broadcast_to(np.arange(64, dtype=np.int64), (bs, L, 64)).copy()
     return lp, ids, np.arange(bs, dtype=np.int64), np.full(bs, 7, np.int64)
