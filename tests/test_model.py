@@ -159,6 +159,50 @@ def test_group_limit_excludes_experts_outside_the_kept_groups():
     assert ids.tolist() == [[2, 3]]
 
 
+def test_route_margins_known_cuts():
+    """x = 0 makes every score 0.5, so the cuts are the bias gaps: groups (0,1) (2,3) (4,5) (6,7)
+    score 1.9, 1.2, 1.15, 1.0; keep 2 groups (gap 1.2 - 1.15 = 0.05); pick 2 among experts 0-3
+    (biases 0.5, 0.4 | 0.3: gap 0.1). The margin is the smaller gap; an exact tie at a cut gives 0."""
+    cfg = M.tiny_config()
+    zx, zw = np.zeros((1, cfg.hidden_size)), np.zeros((8, cfg.hidden_size))
+    bias = np.array([0.5, 0.4, 0.3, -0.1, 0.2, -0.05, 0.0, 0.0])
+    assert O.route(cfg, zx, zw, bias)[0].tolist() == [[0, 1]]
+    assert O.route_margins(cfg, zx, zw, bias) == pytest.approx([0.05], abs=1e-12)
+    bias[1] = 0.32  # groups 1.82, 1.2 | 1.15: 0.05 again; experts (biases) 0.5, 0.32 | 0.3: 0.02
+    assert O.route_margins(cfg, zx, zw, bias) == pytest.approx([0.02], abs=1e-12)
+    bias[1] = 0.3  # experts 1 and 2 tie for the second pick
+    assert O.route_margins(cfg, zx, zw, bias).tolist() == [0.0]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_route_margins_bound_the_choice(seed):
+    """Moving every choice value by less than a quarter of a row's margin (a group score, the sum
+    of two, moves by less than half) never changes that row's experts; the smallest margins are
+    where the choice can flip."""
+    rng = np.random.default_rng(seed)
+    cfg = M.tiny_config()
+    E, D = cfg.n_routed_experts, cfg.hidden_size
+    x = rng.standard_normal((200, D))
+    gate_w = rng.standard_normal((E, D)) / math.sqrt(D)
+    bias = 0.3 * rng.standard_normal(E)
+    ids = np.sort(O.route(cfg, x, gate_w, bias)[0], axis=-1)  # the set of experts (order aside)
+    m = O.route_margins(cfg, x, gate_w, bias)
+    assert (m >= 0).all() and np.isfinite(m).all()
+    for _ in range(20):
+        # a per-row shift of the bias: route sees one bias for all rows, so perturb row by row
+        delta = rng.uniform(-1, 1, E)
+        for r in range(0, 200, 7):
+            d = 0.24 * m[r] * delta / np.abs(delta).max()
+            assert (np.sort(O.route(cfg, x[r:r + 1], gate_w, bias + d)[0]) == ids[r]).all(), (seed, r, m[r])
+    # and a shift just past the smallest margin can flip a row: the margin is tight somewhere
+    r = int(np.argmin(m))
+    flips = 0
+    for _ in range(200):
+        d = 2.01 * m[r] * rng.choice([-1.0, 1.0], E)
+        flips += not (np.sort(O.route(cfg, x[r:r + 1], gate_w, bias + d)[0]) == ids[r]).all()
+    assert flips > 0, (seed, r, m[r])
+
+
 # ---------------------------------------------------------------- the forward
 
 def _forward_non_absorbed(model: M.Model, tokens: np.ndarray) -> np.ndarray:

@@ -5,7 +5,13 @@ Fresh random weights, prompts and trees every run; each failure message carries 
 Tolerance: native FP32 logits within 1e-4 of the float64 reference, measured as
 max|native - ref| / max|ref| per token row (FP32 rounding through 4 layers of 256-wide GEMVs,
 norms and softmaxes stays around 1e-6; 1e-4 is the issue's bound and leaves room for real
-checkpoints' larger widths). Token sequences must be equal exactly.
+checkpoints' larger widths). Token sequences must be equal exactly, but for one case: where
+float64 stands at a near-tie of a discrete choice (a router margin under ROUTE_TOL, or an argmax
+gap under LOGIT_RTOL of the largest logit), FP32 may choose the other side, and the whole rest of
+that request then legitimately differs. Such a divergence is accepted only when the reference
+shows the near-tie at exactly that point, and it is reported (about one run in a few hundred:
+random tiny models put ~6e-5 of their router choices within 1e-5 of a tie, and FP32 flips those
+within ~1e-7).
 """
 
 from __future__ import annotations
@@ -21,6 +27,9 @@ pytestmark = pytest.mark.native
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 LOGIT_RTOL = 1e-4
+# A router choice (sigmoid score + bias, values ~1) closer than this to a tie may flip in FP32,
+# whose rounding of it is ~1e-7 here.
+ROUTE_TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +64,31 @@ def rel_err(out, ref):
     per_row = np.abs(out - ref).max(axis=-1) / np.abs(ref).max(axis=-1)
     i = int(np.argmax(per_row))
     return float(per_row[i]), i
+
+
+def near_tie(margins, logits=None):
+    """Why FP32 may legitimately differ from the float64 reference: a router margin (the
+    reference's `margins` lists, each MoE layer's route_margins) under ROUTE_TOL, or, for a token
+    choice, the last row of `logits` with its top two within LOGIT_RTOL of its largest logit.
+    Returns that reason as text, or None."""
+    m = min((float(a.min()) for a in margins), default=np.inf)
+    if m < ROUTE_TOL:
+        return f"a router margin of {m:.3g} (< {ROUTE_TOL})"
+    if logits is not None:
+        top = np.sort(logits[-1])[::-1]
+        gap = (top[0] - top[1]) / np.abs(logits[-1]).max()
+        if gap < LOGIT_RTOL:
+            return f"an argmax gap of {gap:.3g} of the largest logit (< {LOGIT_RTOL})"
+    return None
+
+
+def assert_logits_close(what, e, i, margins):
+    """rel err e (at row i) within LOGIT_RTOL, or explained by a router near-tie in `margins`."""
+    if e < LOGIT_RTOL:
+        return
+    why = near_tie(margins)
+    assert why, f"{what}: logits rel err {e:.3g} at row {i}, and no router near-tie explains it"
+    print(f"{what}: logits rel err {e:.3g} at row {i}, explained by {why}")
 
 
 def random_prompts(rng, n, vocab, lo=1, hi=48):
@@ -103,16 +137,16 @@ def test_logits_match_reference_prefill_and_tree(weights, reference, device):
     vis = [np.pad(v, ((0, 0), (0, W - v.shape[1]))) for v in vis]
     logits, hidden = eng.forward(slots, prompts, [np.arange(len(p)) for p in prompts], vis,
                                  [eng.num_layers + 1])
-    caches, start = [], 0
-    for s, p in zip(slots, prompts):
+    caches, margins, start = [], [[] for _ in slots], 0  # margins: each request's router margins
+    for b, (s, p) in enumerate(zip(slots, prompts)):
         cache = reference.new_cache(256)
-        rl, rh = reference.forward(p, np.arange(len(p)), cache)
+        rl, rh = reference.forward(p, np.arange(len(p)), cache, margins=margins[b])
         n = len(p)
         e, i = rel_err(logits[start:start + n], rl)
-        assert e < LOGIT_RTOL, f"{ctx}: prefill slot {s}: logits rel err {e:.3g} at row {i}"
+        assert_logits_close(f"{ctx}: prefill slot {s}", e, i, margins[b])
         worst = max(worst, e)
         e, i = rel_err(hidden[start:start + n, 0], rh)
-        assert e < LOGIT_RTOL, f"{ctx}: prefill slot {s}: hidden rel err {e:.3g} at row {i}"
+        assert_logits_close(f"{ctx}: prefill slot {s}, hidden", e, i, margins[b])
         eng.commit(s, np.arange(n))
         caches.append(cache)
         start += n
@@ -127,10 +161,10 @@ def test_logits_match_reference_prefill_and_tree(weights, reference, device):
     start = 0
     for b, (s, cache) in enumerate(zip(slots, caches)):
         P = cache.length
-        rl, _ = reference.forward(toks[b], pos[b], cache, trees[b][1])
+        rl, _ = reference.forward(toks[b], pos[b], cache, trees[b][1], margins=margins[b])
         n = sizes[b]
         e, i = rel_err(logits[start:start + n], rl)
-        assert e < LOGIT_RTOL, f"{ctx}: tree of {n} nodes, slot {s}: rel err {e:.3g} at node {i}"
+        assert_logits_close(f"{ctx}: tree of {n} nodes, slot {s}", e, i, margins[b])
         worst = max(worst, e)
         # Keep a root-to-leaf path (ascending node indices), as an accept would.
         leaf = int(rng.integers(0, n))
@@ -145,9 +179,9 @@ def test_logits_match_reference_prefill_and_tree(weights, reference, device):
     pos = [np.array([c.length]) for c in caches]
     logits, _ = eng.forward(slots, nxt, pos, [np.ones((1, 1), np.uint32)] * 3)
     for b, cache in enumerate(caches):
-        rl, _ = reference.forward(nxt[b], pos[b], cache)
+        rl, _ = reference.forward(nxt[b], pos[b], cache, margins=margins[b])
         e, i = rel_err(logits[b:b + 1], rl)
-        assert e < LOGIT_RTOL, f"{ctx}: AR step after compaction, slot {slots[b]}: rel err {e:.3g}"
+        assert_logits_close(f"{ctx}: AR step after compaction, slot {slots[b]}", e, i, margins[b])
         worst = max(worst, e)
     print(f"native {device} vs float64 reference: max relative logit difference {worst:.3g}")
 
@@ -192,14 +226,37 @@ def _check_equal(ctx, got, want, what):
                                  f"{g[k]} != {w[k]} (got {g[:k + 2].tolist()}...)")
 
 
+def _check_matches_reference(ctx, got, prompts, reference, n):
+    """got[i] (n native AR tokens) == the reference's greedy tokens, or equal up to a token where
+    the reference stands at a near-tie (a router margin on the way there, or the argmax itself):
+    FP32 may take the other side there, and from then on the request legitimately differs."""
+    from engine.reference.model import greedy
+
+    diverged = []
+    for i, p in enumerate(prompts):
+        g, w = np.asarray(got[i]), greedy(reference, p, n)[0]
+        if np.array_equal(g, w):
+            continue
+        k = int(np.argmax(g != w))
+        seq, margins = np.concatenate([p, g[:k]]), []
+        logits, _ = reference.forward(seq, np.arange(len(seq)), reference.new_cache(len(seq)),
+                                      margins=margins)
+        why = near_tie(margins, logits)
+        assert why, (f"{ctx}: prompt {i}: native AR vs reference AR differs at new token {k}: "
+                     f"{g[k]} != {w[k]}, and no near-tie explains it (got {g[:k + 2].tolist()}...)")
+        print(f"{ctx}: prompt {i}: native AR leaves the reference at new token {k} "
+              f"({g[k]} != {w[k]}) at {why}")
+        diverged.append(i)
+    # rounding flips a choice about once in a few hundred runs of this size (module docstring)
+    assert len(diverged) <= 2, f"{ctx}: {len(diverged)} prompts diverged at near-ties: {diverged}"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_ddtree_equals_ar_equals_reference(weights, reference, device):
     """>= 20 prompts of varied length x 64 new tokens: native AR == reference AR, and native
     DDTree (oracle drafters of several qualities, budgets 15 and 63) == native AR, token for
     token; acceptance rises with the oracle's quality and target forwards fall."""
-    from engine.reference.model import greedy
-
     seed = secrets.randbelow(2**31)
     rng = np.random.default_rng(seed)
     ctx = f"weights seed {weights[1]}, seed {seed}, device {device}"
@@ -207,8 +264,7 @@ def test_ddtree_equals_ar_equals_reference(weights, reference, device):
     prompts = random_prompts(rng, 20, eng.vocab_size, 1, 100)
     ar = eng.generate(prompts, 64, mode="ar")
     assert ar.stats.target_forwards == 64  # the prefill + 63 batched steps
-    ref = [greedy(reference, p, 64)[0] for p in prompts]
-    _check_equal(ctx, ar.tokens, ref, "native AR vs reference AR")
+    _check_matches_reference(ctx, ar.tokens, prompts, reference, 64)
     taus, forwards = [], []
     for quality, budget in [(0.0, 15), (0.5, 15), (0.9, 63)]:
         dd = eng.generate(prompts, 64, mode="ddtree", budget=budget,

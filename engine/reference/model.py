@@ -20,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.reference.model_ops import apply_rope, rms_norm, rope_cos_sin, route, softmax_scale, swiglu
+from engine.reference.model_ops import (apply_rope, rms_norm, rope_cos_sin, route, route_margins, softmax_scale,
+                                        swiglu)
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -399,11 +400,14 @@ class Model:
     def new_cache(self, capacity: int) -> LatentCache:
         return LatentCache(self.cfg, capacity)
 
-    def forward(self, tokens, positions, cache: LatentCache, vis: np.ndarray | None = None):
+    def forward(self, tokens, positions, cache: LatentCache, vis: np.ndarray | None = None,
+                margins: list | None = None):
         """n tokens [n] at positions [n] after the cache's committed rows, seeing each other per
         vis bool [n, n] (default causal). Writes their KV rows at [length, length + n) and sets
         length += n (a tree verify then calls cache.compact). Returns (logits [n, V], hidden [n, D]),
-        hidden = the final-norm output that the LM head reads (the drafter's input)."""
+        hidden = the final-norm output that the LM head reads (the drafter's input).
+        margins: a list to which each MoE layer appends its router's route_margins [n] (how near
+        each row's expert choice is to a tie), for tests that compare a narrower float with this."""
         cfg = self.cfg
         tokens = np.asarray(tokens, dtype=np.int64)
         positions = np.asarray(positions, dtype=np.int64)
@@ -422,7 +426,7 @@ class Model:
             h = rms_norm(x, self.w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
             x = x + self._attention(i, h, cos, sin, cache, P, vis)
             h = rms_norm(x, self.w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
-            x = x + (self._moe(i, h) if cfg.is_moe_layer(i) else self._mlp(p + "mlp.", h))
+            x = x + (self._moe(i, h, margins) if cfg.is_moe_layer(i) else self._mlp(p + "mlp.", h))
         cache.length = P + n
         hidden = rms_norm(x, self.w["model.norm.weight"], cfg.rms_norm_eps)
         head = self.w["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
@@ -453,9 +457,11 @@ class Model:
         w = self.w
         return swiglu(h, w[m + "gate_proj.weight"], w[m + "up_proj.weight"], w[m + "down_proj.weight"])
 
-    def _moe(self, i, h):
+    def _moe(self, i, h, margins=None):
         cfg, w = self.cfg, self.w
         m = f"model.layers.{i}.mlp."
+        if margins is not None:
+            margins.append(route_margins(cfg, h, w[m + "gate.weight"], w[m + "gate.e_score_correction_bias"]))
         ids, weights = route(cfg, h, w[m + "gate.weight"], w[m + "gate.e_score_correction_bias"])
         out = np.zeros_like(h)
         for e in np.unique(ids):

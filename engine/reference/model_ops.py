@@ -99,14 +99,9 @@ def swiglu(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) ->
     return (silu(x @ gate.T) * (x @ up.T)) @ down.T
 
 
-def route(cfg: ModelConfig, x: np.ndarray, gate_w: np.ndarray, bias: np.ndarray):
-    """DeepSeek-V3 noaux_tc router on x [n, D]. Returns (expert ids [n, k] int64, weights [n, k]).
-
-    scores = sigmoid(x W^T); choice = scores + bias; a group's score is the sum of its top-2
-    choice values; keep the topk_group best groups; pick the k best choice values among the
-    experts of kept groups; weights = the unbiased scores of those, divided by their sum when
-    norm_topk_prob, times routed_scaling_factor. Ties go to the lower index (stable sorts).
-    """
+def _route_choice(cfg: ModelConfig, x: np.ndarray, gate_w: np.ndarray, bias: np.ndarray):
+    """route's two cuts: (scores [n, E], group scores [n, G], the choice values with the experts
+    of groups not kept at -inf [n, E])."""
     n, E = x.shape[0], cfg.n_routed_experts
     scores = 1.0 / (1.0 + np.exp(-(x @ gate_w.T)))  # [n, E]
     choice = scores + bias[None, :]
@@ -118,8 +113,39 @@ def route(cfg: ModelConfig, x: np.ndarray, gate_w: np.ndarray, bias: np.ndarray)
     group_mask = np.zeros((n, cfg.n_group), dtype=bool)
     np.put_along_axis(group_mask, kept_groups, True, axis=-1)
     masked = np.where(np.repeat(group_mask, per_group, axis=-1), choice, -np.inf)
+    return scores, group_scores, masked
+
+
+def route(cfg: ModelConfig, x: np.ndarray, gate_w: np.ndarray, bias: np.ndarray):
+    """DeepSeek-V3 noaux_tc router on x [n, D]. Returns (expert ids [n, k] int64, weights [n, k]).
+
+    scores = sigmoid(x W^T); choice = scores + bias; a group's score is the sum of its top-2
+    choice values; keep the topk_group best groups; pick the k best choice values among the
+    experts of kept groups; weights = the unbiased scores of those, divided by their sum when
+    norm_topk_prob, times routed_scaling_factor. Ties go to the lower index (stable sorts).
+    """
+    scores, _, masked = _route_choice(cfg, x, gate_w, bias)
     ids = np.argsort(-masked, axis=-1, kind="stable")[:, :cfg.num_experts_per_tok]
     w = np.take_along_axis(scores, ids, axis=-1)
     if cfg.num_experts_per_tok > 1 and cfg.norm_topk_prob:
         w = w / (w.sum(-1, keepdims=True) + 1e-20)
     return ids.astype(np.int64), w * cfg.routed_scaling_factor
+
+
+def route_margins(cfg: ModelConfig, x: np.ndarray, gate_w: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    """Per row of x [n, D], how far route's choice is from flipping: the smaller of the gap between
+    the topk_group-th best group score and the next, and the gap between the k-th best choice
+    value among kept groups and the next (inf where a cut has no competitor). A row whose margin
+    is below the rounding of a narrower float (FP32: ~1e-7 here) may route differently there, and
+    its output then differs by a whole expert: a discontinuity, not an error."""
+    _, group_scores, masked = _route_choice(cfg, x, gate_w, bias)
+
+    def gap(v, k):  # v [n, m] descending-sorted: v[:, k-1] - v[:, k], inf when there is no k-th
+        if k >= v.shape[1]:
+            return np.full(v.shape[0], np.inf)
+        with np.errstate(invalid="ignore"):
+            g = v[:, k - 1] - v[:, k]
+        return np.where(np.isfinite(v[:, k]), g, np.inf)
+
+    return np.minimum(gap(-np.sort(-group_scores, axis=-1), cfg.topk_group),
+                      gap(-np.sort(-masked, axis=-1), cfg.num_experts_per_tok))
