@@ -846,7 +846,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
     // run d - 1, whose first entry is that node. Each chain node's score is its parent's
     // child_score, as put gives it; its key is 0. The chain nodes of depth >= 1 whose runs are
     // written here are not expanded again (len gives them 0).
-    double cs[kChainRuns];
+    double cs[kChainRuns] = {};  // every entry is set below (g++ cannot tell)
     int cc[kChainRuns], cp[kChainRuns + 1];
     cp[0] = 1;
 #if defined(__CUDA_ARCH__)
