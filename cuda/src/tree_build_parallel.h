@@ -103,20 +103,6 @@ constexpr int kQueuePool = 512;
 // 1.11x and 0.91x (its first phase took 4.5k cycles against 1.0k); the counts of four runs
 // side by side instead of one after another (their rows clamped, the runs masked after): 1.03-
 // 1.25x, the code laid out worse (bs 1 budget 33 1.10x, where the chain changes nothing).
-// Chain expansion everywhere, not kept: each entry of rank >= 1 (and the first runs' tail)
-// brought the runs of its whole rank-0 chain at once, a rank-0 entry never expanded itself, so
-// that the queue took as many batches as a path has ranks >= 1 (bench inputs, bs 64, budget 63:
-// at most 3) instead of as many as it has levels (at most 7). A chain node's score was
-// s + (chain[d + k] - chain[d]), exact under the build's check. Bit-exact on the CPU tests and
-// the CUDA tree tests (206 passed), but slower. H200, bench.tree_ab against this file, kernel
-// alone, budget 63, two draws:
-//   - each child finding its unit by walking its head's chain (len and put recounting):
-//     bs 64 1.42-1.59x, bs 1 1.13-1.17x, bs 4-1024 1.28-1.50x;
-//   - the units flattened a lane each, with a second counting pass for a batch past 32 units:
-//     bs 64 1.87-2.08x, bs 1 1.18-1.21x, bs 4-1024 1.68-1.85x.
-//   Budgets 33 and 47 (bs 1, 64): 1.04-1.40x, both versions.
-// The batches were fewer, but the slowest warp expands the same nodes, and each unit cost a chain
-// score and a lane search more: the queue is bound by a warp's serial work, not by its depth.
 constexpr int kChainRuns = 2;
 
 // Pool capacity for a budget: kQueuePool up to kQueueMaxBudget, else 4 (budget + 1) rounded up
@@ -681,7 +667,14 @@ KDT_HD double child_score(const float* row, double s, int r, int d) {
 // Expanding whole rank-0 chains at once (an entry's chain nodes scored from the chain's prefix
 // sums, their runs placed together; the root's chain by the block) cut the batches on paper
 // but cost 2.5-3.0k cycles a batch before its allocation: with the order above, 1.81x at bs 64,
-// budget 63 (8f7e796, reverted). The root's chain alone, by the block before the queue (each
+// budget 63 (8f7e796, reverted). Measured again with the first runs (each entry of rank >= 1 and
+// the first runs' tail a head, a rank-0 entry never expanded; bench inputs at budget 63: at most
+// 3 batches a path against 7 levels), bit-exact (the CUDA tree tests passed), H200,
+// bench.tree_ab, budget 63, two draws: each child finding its unit by walking its head's chain,
+// bs 64 1.42-1.59x, bs 1 1.13-1.17x, bs 4-1024 1.28-1.50x; the units flattened a lane each (a
+// second counting pass past 32 units), bs 64 1.87-2.08x, bs 1 1.18-1.21x; budgets 33 and 47
+// 1.04-1.40x. The slowest warp still expands the same nodes, each at a higher cost: the queue is
+// bound by a warp's serial work, not by its depth. The root's chain alone, by the block before the queue (each
 // chain node's run at or above t, placed by blk.offsets, written in one phase; the chain
 // nodes then not expanded again): the median block ran 3 batches instead of 5, but the phase
 // took 3.3k cycles against the root's run's 1.0k. H200, bench.tree_ab, budget 63, three
