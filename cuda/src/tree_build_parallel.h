@@ -140,6 +140,15 @@ KDT_HD int order_bins(int cap) { return cap > 2048 ? 4 * kOrderBins : kOrderBins
 // 32 grows the pool's median from 428 nodes to 508 (a Python replica of the family). H200,
 // bench.tree_ab against every rank, kernel alone: budget 63 0.98-0.99x at bs 1, 4, 16, 64, 256
 // and 1024; budget 47 0.99-1.00x. (The opposite, 175 more deep members, cost 1.01-1.24x.)
+// A tighter first bound does not pay either: the deviations carried on by rank-0 steps,
+// (0, ..., 0, r, 0, ..., 0) with 1 <= r < 32 at depth >= 2 and one step more (403 members at
+// budget 63, L = 15), shrink the queue's pool (bench inputs, bs 64, budget 63, a Python replica
+// of the binning: median 85 -> 76 nodes, largest 199 -> 142; two steps, 775 members: 114), but
+// the histogram pass took 2.0k cycles against 1.2k, and the slowest block's deepest warp ran as
+// many batches as before (its queue's end 4.7k cycles both; H200, KDT_PAR_PROFILE, seed 5).
+// H200, bench.tree_ab, kernel alone, seeds 15 and 5: budget 63 bs 64 1.01-1.02x, bs 1
+// 1.03-1.04x, bs 4-1024 0.90-1.03x, budgets 33 and 47 0.97-1.04x; two steps 1.045-1.07x; at
+// every budget (127-1023, the levels) 0.98-1.07x. Not kept.
 constexpr int kFamilyRanksQueue = 32;
 KDT_HD int family_ranks(int K, int budget) {
   const int kc = K < budget ? K : budget;
