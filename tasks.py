@@ -16,6 +16,7 @@ the remote run). Errors are one line per host on stderr.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json as jsonlib
 import os
 import shutil
@@ -355,10 +356,33 @@ def build(c, arch="cpu"):
     _sh(["bash", "cuda/build.sh", "--arch", arch, "--out", f"build/{arch.replace(',', '+')}"], 4)
 
 
-@task(auto_shortflags=False, help={"pytest_args": "extra pytest arguments, e.g. \"tests/test_x.py -x\""})
+def pytest_workers(requested: int, pytest_args: str, cpus: int | None) -> tuple[list[str], str]:
+    """pytest-xdist arguments for `invoke test` and a line saying what they are: `requested`
+    workers (0: one per core, at most 4), or none when that is 1, when pytest_args picks its own
+    (-n, --numprocesses, -p no:xdist) or when pytest-xdist is not installed. ValueError when
+    requested < 0."""
+    if requested < 0:
+        raise ValueError(f"--workers must be >= 0 (0: one per core, at most 4), got {requested}")
+    args = pytest_args.split()
+    if any(a in ("-n", "--numprocesses", "no:xdist") or a.startswith(("-n", "--numprocesses=")) for a in args):
+        return [], "pytest workers: as --pytest-args says"
+    n = requested or max(1, min(cpus or 1, 4))
+    if n == 1:
+        return [], "pytest workers: 1 (serial)"
+    if importlib.util.find_spec("xdist") is None:
+        return [], f"pytest workers: 1 (pytest-xdist is not installed, so not {n}: pip install -e \".[dev]\")"
+    return ["-n", str(n)], f"pytest workers: {n} (pytest-xdist; --workers 1 runs serially)"
+
+
+@task(auto_shortflags=False, help={"pytest_args": "extra pytest arguments, e.g. \"tests/test_x.py -x\"",
+                                   "workers": "pytest processes (pytest-xdist; 0, the default: one per core, at most 4; 1: serial)"})
 @_guarded
-def test(c, pytest_args=""):
+def test(c, pytest_args="", workers=0):
     """The whole test suite: import layers, cpu build, CUDA compile check, bundles, native tests, pytest."""
+    try:
+        xdist, workers_line = pytest_workers(workers, pytest_args, os.cpu_count())
+    except ValueError as e:
+        _fail(f"error: local: test: {e}", 2)
     # engine/'s layers (pyproject.toml [tool.importlinter]): an upward import names both modules.
     _sh([sys.executable, "-c", "from importlinter.cli import lint_imports_command as c; c()", "--no-cache"], 1)
     _sh(["bash", "cuda/build.sh", "--arch", "cpu", "--out", "build/cpu"], 4)
@@ -375,7 +399,8 @@ def test(c, pytest_args=""):
                 "--junit", "build/cpu/native-junit.xml"]
         print("$ " + " ".join(argv), flush=True)
         native_failed = subprocess.run(argv, cwd=REPO, env={**os.environ, **env}).returncode != 0
-    argv = [sys.executable, "-m", "pytest", "-q", *pytest_args.split()]
+    argv = [sys.executable, "-m", "pytest", "-q", *xdist, *pytest_args.split()]
+    print(workers_line, flush=True)
     print("$ " + " ".join(argv), flush=True)
     p = subprocess.Popen(argv, cwd=REPO, env={**os.environ, **env}, stdout=subprocess.PIPE, text=True)
     last = ""
