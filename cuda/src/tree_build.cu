@@ -398,7 +398,12 @@ struct GpuBlock {
   // left of its warp's chunk takes no atomic (a chunk's unused entries made holes of score
   // -inf, which no phase keeps): 1.01-1.07x at budgets 33-63, bs 1-1024. The placement did
   // not get cheaper (its probe 344 -> 561-595 cycles at bs 64, budget 63) and the queue's end,
-  // marking the last holes, took ~400 cycles more. Not kept.)
+  // marking the last holes, took ~400 cycles more. Not kept. Each child's run length counted
+  // by the lane that writes it, as it writes it, and carried in that lane into the next batch
+  // (the lane that takes that entry when the batch has at most 32): a later batch's run lengths
+  // took ~220 cycles against ~620, but its children ~1.1k against ~0.6k, the count now on the
+  // write's chain (profile, bs 64, budget 63, seed 5); H200, bench.tree_ab, seeds 15 and 5:
+  // 1.00-1.016x at budgets 33-63, bs 1-1024. Not kept.)
   template <class Len, class Put>
   __device__ int expand(unsigned* work, uint32_t* cand, int* off, int n0, int cap, Len len,
                         Put put) {

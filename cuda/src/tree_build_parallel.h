@@ -103,6 +103,11 @@ constexpr int kQueuePool = 512;
 // 1.11x and 0.91x (its first phase took 4.5k cycles against 1.0k); the counts of four runs
 // side by side instead of one after another (their rows clamped, the runs masked after): 1.03-
 // 1.25x, the code laid out worse (bs 1 budget 33 1.10x, where the chain changes nothing).
+// Measured again against two runs as kept (234389f's kernel), to pick the runs by batch size:
+// no batch size gains throughout. Three runs, seeds 15 and 5: budget 63 bs 64 0.98x and 1.01x,
+// bs 4 0.91-0.97x, bs 16 0.97-1.02x, bs 1, 256 and 1024 1.01-1.04x; budgets 33 and 47
+// 0.96-1.03x. Four (seed 15): budget 63 bs 64 0.94x, bs 4 0.99x, bs 1 budget 47 0.98x, the
+// other cases 1.05-1.07x.
 constexpr int kChainRuns = 2;
 
 // Pool capacity for a budget: kQueuePool up to kQueueMaxBudget, else 4 (budget + 1) rounded up
