@@ -167,11 +167,11 @@ __device__ void block_zero(uint32_t* p, int count) {
 // depth + 1 of them). mark(id): a profiling probe.
 template <class Mark>
 __device__ void block_write_visibility(uint32_t* vis, int n, int W, int used,
-                                       const uint32_t* node_cand, Mark mark) {
+                                       const uint32_t* node_cand, int first, Mark mark) {
   block_zero(vis, n * W);
   __syncthreads();
   mark(97);
-  for (int i = threadIdx.x; i < used; i += blockDim.x) {
+  for (int i = first; i < used; i += blockDim.x) {
     uint32_t* row = vis + (size_t)i * W;
     int cw = i >> 5;
     uint32_t word = 0;
@@ -205,12 +205,18 @@ __device__ void write_outputs(const TreeBuildArgs& a, int b, int n, int W, int u
   for (int i = threadIdx.x; i < n; i += blockDim.x)
     write_tree_slot(a, o, i, used, root, seq_len, node_cand, node_score, fc, ns, ids);
   mark(96);
-  // Rows of at most two words: each thread writes its rows whole (zeros included), with no
-  // zeroing pass and no barrier; wider rows zero the block first (block_write_visibility).
+  // The rows start half the block's warps away from the slots, so that up to n = T / 2 the
+  // slots and the rows are written by different warps at the same time, not one after the other
+  // by the first n threads (H200, bench.tree_ab against rows from thread 0, kernel alone, seeds
+  // 15 and 5: budgets 33 and 63 0.978-0.989x at bs 1-1024; budgets 127-1023, whose rows take
+  // more than two words and follow a barrier, 1.000-1.004x). Rows of at most two words: each
+  // thread writes its rows whole (zeros included), with no zeroing pass and no barrier; wider
+  // rows zero the block first (block_write_visibility).
+  const int first = (threadIdx.x + (blockDim.x >> 6) * 32) % blockDim.x;
   if (W <= 2)
-    write_visibility_rows(a.visibility + o * W, n, W, used, node_cand, threadIdx.x, blockDim.x);
+    write_visibility_rows(a.visibility + o * W, n, W, used, node_cand, first, blockDim.x);
   else
-    block_write_visibility(a.visibility + o * W, n, W, used, node_cand, mark);
+    block_write_visibility(a.visibility + o * W, n, W, used, node_cand, first, mark);
   if (threadIdx.x == 0) a.num_nodes[b] = used;
 }
 
@@ -903,7 +909,15 @@ __global__ void __launch_bounds__(128) tree_build_warp_kernel(TreeBuildArgs a) {
   // afterwards: about half the instructions, and the phase went from
   // 2.84k to 2.36k cycles at bs 1 and 2.88k to 2.04k at bs 64, budget 15; yet bench.tree_ab,
   // kernel alone, measured it 1.03-1.055x slower at bs 1, budgets 1-31, 1.00x at bs 64 and
-  // 0.98-1.00x at bs 1024. Not kept.)
+  // 0.98-1.00x at bs 1024. Not kept. Three more, measured 2026-12-04 with bench.tree_ab
+  // against this prologue, kernel alone, seeds 15 and 5, budgets 1-31, bs 1-1024, and the
+  // KDT_PAR_PROFILE probes at bs 1, budget 15: the log-probs left in global memory, their lines
+  // asked into L1 (prefetch) and read as floats by the pops: prologue 2.6k -> 1.4k cycles, but
+  // the pops 5.3k -> 7.7k, 1.13-1.54x (budget 1 0.94x); the log-probs staged as floats by
+  // cp.async (their own group, waited for before the pops; the token ids' after them), read and
+  // converted by the pops: prologue 1.55k, pops 6.0k, 1.05-1.28x (budget 1 0.85-0.87x); only the
+  // columns a build can read staged, ranks 0 .. min(K - 1, budget) (a quarter of them at budget
+  // 15, K = 64), token ids likewise: the prologue did not shrink (2.9k cycles), 1.02-1.08x.)
   const int64_t m = lane < 2 ? __ldg(lane == 0 ? a.root_ids + b : a.seq_lens + b) : 0;
   double* staged = kStaged ? reinterpret_cast<double*>(ns + n) : nullptr;
   int64_t* sids = warp_ids_bytes(a.L, a.K)

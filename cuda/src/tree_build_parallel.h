@@ -58,7 +58,16 @@
 //      binary search of every other chunk on score and key (ties of both, rare, compared by
 //      rank path after). Two phases, but at bs 64, budget 63 (profile, seed 5) the sort took
 //      2.8k cycles and the ranks 6.6k, against 4.2k for the buckets' three phases: H200,
-//      bench.tree_ab, 1.11-1.21x at budgets 33-63, bs 1-1024. Not kept.)
+//      bench.tree_ab, 1.11-1.21x at budgets 33-63, bs 1-1024. Not kept. The queue's entries
+//      binned into these buckets as the queue takes them (t and the top score are known before
+//      it: a bucket, a slot by a shared atomic, a list of up to 8 entries a bucket, 1 request
+//      in 768 overflowing one), so that the order is one phase: an entry's rank is the count
+//      of the buckets before its own, from 32 group sums scanned by shuffles plus its group's
+//      buckets before it, and the entries of its bucket that precede it. The one phase took
+//      2.8-3.6k cycles against the three's 3.9k, but each batch's run lengths ~250 cycles more
+//      (binning after the queue instead, each warp its own entries once it has no batch left:
+//      no cheaper); H200, bench.tree_ab, seeds 15 and 5, five variants: budget 63 1.00-1.13x
+//      at bs 1-1024, budgets 33 and 47 1.02-1.07x at bs 64 and 0.97-1.05x at bs 1. Not kept.)
 //      Parents and child lists (prepend rule) follow from the order: a run is contiguous, so
 //      a node's left sibling is the entry before it.
 // Masses of exact ties that overflow the pool even so are declined as well.
@@ -281,7 +290,8 @@ inline bool plan(int budget, int L, int K, size_t limit, Plan* p) {
 // Threads per CTA for a budget (the CUDA launch and the CPU emulation's default). H200,
 // bench.tree_ab against this choice, kernel alone: 512 threads from budget 128 on took 1.00x at
 // 127 and 1.02-1.07x at 255 (bs 1-64; 1.45x at bs 256), 128 threads up to budget 63 took
-// 1.02-1.03x at 32 and 1.08-1.12x at 63 (bs 1-64).
+// 1.02-1.03x at 32 and 1.08-1.12x at 63 (bs 1-64); at budgets 47 and 63 (seed 15), 384
+// threads took 1.02-1.04x (bs 256 0.98x) and 512 1.04-1.06x (bs 256 1.53x).
 KDT_HD int threads_for(int budget) { return budget < 512 ? 256 : 512; }
 
 // Measurement and test knobs, read per call by the CUDA launch and the CPU emulation alike:
