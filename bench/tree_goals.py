@@ -2,24 +2,135 @@
 each case validated against the reference, then timed as the kernel alone (a CUDA graph of 20
 calls / 20) and as one call between events; the native CPU backend beside it. Prints one line per
 case and PASS / FAIL per goal; exits 1 on a wrong tree or a missed goal. Builds: KDT_TREE_BUILD
-auto (the default, which the goals judge), parallel, warp, and serial (budgets <= 255); accepts: KDT_TREE_ACCEPT parallel (the CUDA
-default, judged) and walk.
+auto (the default, which the goals judge), parallel, warp, and serial (budgets <= 255); accepts:
+KDT_TREE_ACCEPT parallel (the CUDA default, judged) and walk.
 
     KDTREE_LIB=build/h200/libkdtree.so python3 -m bench.tree_goals
+
+With --run DIR it judges the same goals on a fetched benchmark run instead (no GPU, no torch):
+each of the run's kernels.json and tree_build.json on its own, from the kernel-alone medians of
+the default build (auto) and the CPU backend's medians, over every bs and budget the suite has.
+
+    python3 -m bench.tree_goals --run results/h200/<run>
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 import numpy as np
+
+# The goals' cases: (bs, budget) of the two bounds and the accept, and the +5 % that "bs 1 no
+# slower than bs 64" allows for timing noise.
+BUILD_SMALL, BUILD_LARGE, ACCEPT = (64, 63), (64, 1023), (64, 255)
+BS1_SLACK = 1.05
+
+
+class RunError(ValueError):
+    """A run folder or one of its suite files that cannot be judged (the message says why)."""
+
+
+def suite_times(doc: dict, suite: str) -> dict:
+    """Medians in us from one suite's JSON: ("gpu", bs, budget) the default build's kernel alone,
+    ("cpu", bs, budget) the CPU backend's call, ("accept", bs, budget) the accept's kernel alone.
+    RunError names what is malformed."""
+    out = {}
+    rows = doc.get("results") if isinstance(doc, dict) else None
+    if not isinstance(rows, list):
+        raise RunError(f"{suite}.json: no 'results' list")
+    for i, x in enumerate(rows):
+        try:
+            case, bench, backend = x["case"], x["bench"], x["backend"]
+            if suite == "kernels":  # its other kernels (the verify attention) are not judged
+                kind = {("tree_build", "cuda"): "gpu" if case.get("algo") == "auto" else None,
+                        ("tree_build", "cpu"): "cpu",
+                        ("tree_accept", "cuda"): "accept"}.get((bench, backend))
+            else:
+                kind = {"native-cuda": "gpu", "native-cpu": "cpu"}.get(backend)
+            if kind is None:
+                continue
+            key = (int(case["bs"]), int(case["budget"]))
+            summary = x["summary"] if kind == "cpu" else x["kernel_alone"]["summary"]
+            out[(kind,) + key] = float(summary["median"]) * 1e6
+        except (KeyError, TypeError, ValueError) as e:
+            raise RunError(f"{suite}.json: result {i} is malformed ({type(e).__name__}: {e})") \
+                from None
+    return out
+
+
+def judge(us: dict) -> list[tuple[str, str, bool]]:
+    """The goals on one suite's medians: (goal, the figures behind it, met). A case the suite
+    lacks fails its goal, named as missing."""
+    def at(kind, key):
+        return us.get((kind,) + key)
+
+    goals = []
+    for key, limit in ((BUILD_SMALL, 10.0), (BUILD_LARGE, 60.0)):
+        v = at("gpu", key)
+        goals.append((f"build bs {key[0]} budget {key[1]} <= {limit:g} us",
+                      "missing" if v is None else f"{v:.2f} us", v is not None and v <= limit))
+    budgets = sorted({b for k, bs, b in us if k == "gpu" and bs == 1 and ("gpu", 64, b) in us})
+    slower = [b for b in budgets if us[("gpu", 1, b)] > BS1_SLACK * us[("gpu", 64, b)]]
+    goals.append(("build bs 1 no slower than bs 64 (+5 %)",
+                  " / ".join(f"{us[('gpu', 1, b)]:.2f} vs {us[('gpu', 64, b)]:.2f}"
+                             for b in budgets) + f" us at budgets {budgets}" if budgets
+                  else "missing", bool(budgets) and not slower))
+    cells = sorted((bs, b) for k, bs, b in us if k == "gpu" and ("cpu", bs, b) in us)
+    lose = [c for c in cells if us[("cpu",) + c] < us[("gpu",) + c]]
+    goals.append(("build CUDA (alone) faster than the CPU backend at every case",
+                  f"CPU faster at {len(lose)} of {len(cells)}" + "".join(
+                      f"; bs {c[0]} budget {c[1]}: {us[('cpu',) + c]:.2f} vs "
+                      f"{us[('gpu',) + c]:.2f} us" for c in lose) if cells else "missing",
+                  bool(cells) and not lose))
+    if any(k == "accept" for k, _, _ in us):
+        v = at("accept", ACCEPT)
+        goals.append((f"accept bs {ACCEPT[0]} budget {ACCEPT[1]} <= 4 us",
+                      "missing" if v is None else f"{v:.2f} us", v is not None and v <= 4.0))
+    return goals
+
+
+def judge_run(run: Path, out=print) -> int:
+    """Prints each suite's goals for a fetched run; 0 all met, 1 one missed, 2 a bad run."""
+    if not run.is_dir():
+        print(f"bench.tree_goals: --run {run}: no such folder", file=sys.stderr)
+        return 2
+    missed = False
+    found = 0
+    try:
+        for suite in ("kernels", "tree_build"):
+            path = run / f"{suite}.json"
+            if not path.is_file():
+                continue
+            try:
+                doc = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, ValueError) as e:
+                raise RunError(f"{suite}.json: not readable JSON ({e})") from None
+            found += 1
+            out(f"{run.name}: {suite} suite")
+            for name, figures, ok in judge(suite_times(doc, suite)):
+                missed |= not ok
+                out(f"  {'PASS' if ok else 'FAIL'} {name}: {figures}")
+    except RunError as e:
+        print(f"bench.tree_goals: --run {run}: {e}", file=sys.stderr)
+        return 2
+    if not found:
+        print(f"bench.tree_goals: --run {run}: neither kernels.json nor tree_build.json is there "
+              "(a benchmark run of the kernels or tree_build suite)", file=sys.stderr)
+        return 2
+    return 1 if missed else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m bench.tree_goals",
                                  description=__doc__.split("\n\n")[0])
-    ap.parse_args(argv)
+    ap.add_argument("--run", type=Path, metavar="DIR",
+                    help="judge a fetched run's kernels and tree_build suites instead")
+    a = ap.parse_args(argv)
+    if a.run is not None:
+        return judge_run(a.run)
     import torch
 
     if not torch.cuda.is_available():
