@@ -208,10 +208,10 @@ __device__ void write_outputs(const TreeBuildArgs& a, int b, int n, int W, int u
   // The rows start half the block's warps away from the slots, so that up to n = T / 2 the
   // slots and the rows are written by different warps at the same time, not one after the other
   // by the first n threads (H200, bench.tree_ab against rows from thread 0, kernel alone, seeds
-  // 15 and 5: budgets 33 and 63 0.978-0.989x at bs 1-1024; budgets 127-1023, whose rows take
-  // more than two words and follow a barrier, 1.000-1.004x). Rows of at most two words: each
-  // thread writes its rows whole (zeros included), with no zeroing pass and no barrier; wider
-  // rows zero the block first (block_write_visibility).
+  // 15 and 5: budget 63 0.978-0.989x at bs 1-1024, budget 33 0.984-0.985x at bs 64; budgets
+  // 127-1023, whose rows take more than two words and follow a barrier, 1.000-1.004x). Rows of
+  // at most two words: each thread writes its rows whole (zeros included), with no zeroing pass
+  // and no barrier; wider rows zero the block first (block_write_visibility).
   const int first = (threadIdx.x + (blockDim.x >> 6) * 32) % blockDim.x;
   if (W <= 2)
     write_visibility_rows(a.visibility + o * W, n, W, used, node_cand, first, blockDim.x);
