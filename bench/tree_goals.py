@@ -55,7 +55,7 @@ def suite_times(doc: dict, suite: str) -> dict:
             key = (int(case["bs"]), int(case["budget"]))
             summary = x["summary"] if kind == "cpu" else x["kernel_alone"]["summary"]
             out[(kind,) + key] = float(summary["median"]) * 1e6
-        except (KeyError, TypeError, ValueError) as e:
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
             raise RunError(f"{suite}.json: result {i} is malformed ({type(e).__name__}: {e})") \
                 from None
     return out

@@ -132,6 +132,9 @@ def test_run_without_a_goal_case_fails_it_as_missing(tmp_path, capsys):
     (lambda p: (p / "tree_build.json").write_text(
         '{"results": [{"bench": "tree_build", "backend": "native-cpu", "case": {"bs": 1}}]}')
      and p, "tree_build.json: result 0 is malformed (KeyError: 'budget')"),
+    (lambda p: (p / "kernels.json").write_text(
+        '{"results": [{"bench": "tree_build", "backend": "cuda", "case": 5}]}') and p,
+     "kernels.json: result 0 is malformed (AttributeError:"),
 ])
 def test_a_bad_run_is_refused_with_what_is_wrong(tmp_path, capsys, make, message):
     assert tree_goals.main(["--run", str(make(tmp_path))]) == 2
