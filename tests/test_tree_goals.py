@@ -152,3 +152,12 @@ def test_a_committed_h200_run_is_read_with_its_real_schema(capsys):
     assert "FAIL build bs 64 budget 63 <= 10 us: 11.56 us" in out  # tree_build suite
     assert "PASS accept bs 64 budget 255 <= 4 us: 3.38 us" in out
     assert out.count("CPU faster at 1 of 20") == 2
+
+
+def test_the_live_runs_medians_are_judged_like_a_fetched_runs():
+    us = {("build", "auto", 64, 63): 9.0, ("build", "parallel", 64, 63): 1.0,
+          ("build", "auto", 1, 63): 8.0, ("cpu", 1, 63): 20.0, ("cpu", 64, 63): 99.0,
+          ("accept", "parallel", 64, 255): 3.0, ("accept", "walk", 64, 255): 9.0}
+    assert tree_goals.judged_times(us) == {
+        ("gpu", 64, 63): 9.0, ("gpu", 1, 63): 8.0, ("cpu", 1, 63): 20.0, ("cpu", 64, 63): 99.0,
+        ("accept", 64, 255): 3.0}

@@ -698,16 +698,15 @@ KDT_HD double child_score(const float* row, double s, int r, int d) {
 // bs 64 1.42-1.59x, bs 1 1.13-1.17x, bs 4-1024 1.28-1.50x; the units flattened a lane each (a
 // second counting pass past 32 units), bs 64 1.87-2.08x, bs 1 1.18-1.21x; budgets 33 and 47
 // 1.04-1.40x. The slowest warp still expands the same nodes, each at a higher cost: the queue is
-// bound by a warp's serial work, not by its depth. The root's chain alone, by the block before the queue (each
-// chain node's run at or above t, placed by blk.offsets, written in one phase; the chain
-// nodes then not expanded again): the median block ran 3 batches instead of 5, but the phase
-// took 3.3k cycles against the root's run's 1.0k. H200, bench.tree_ab, budget 63, three
-// draws: bs 64 0.90x, 0.94x and 1.00x; bs 256 0.87-0.92x; bs 4 0.89-1.08x; bs 1 1.01-1.09x;
-// budget 32 at bs 64 1.08x. Counting the runs in every warp's lanes instead (no barrier
-// before the writes) took 2.7k cycles and made every later batch slower (its run lengths
-// 620 -> 1370 cycles), 1.03-1.26x. Neither kept. The first two runs of that chain instead
-// (kChainRuns), counted by every thread alike and written in the root's phase, with no phase
-// of their own: kept.
+// bound by a warp's serial work, not by its depth. The root's chain alone, by the block before the
+// queue (each chain node's run at or above t, placed by blk.offsets, written in one phase; the
+// chain nodes then not expanded again): the median block ran 3 batches instead of 5, but the phase
+// took 3.3k cycles against the root's run's 1.0k. H200, bench.tree_ab, budget 63, three draws: bs
+// 64 0.90x, 0.94x and 1.00x; bs 256 0.87-0.92x; bs 4 0.89-1.08x; bs 1 1.01-1.09x; budget 32 at bs
+// 64 1.08x. Counting the runs in every warp's lanes instead (no barrier before the writes) took
+// 2.7k cycles and made every later batch slower (its run lengths 620 -> 1370 cycles), 1.03-1.26x.
+// Neither kept. The first two runs of that chain instead (kChainRuns), counted by every thread
+// alike and written in the root's phase, with no phase of their own: kept.
 
 // The exactness check's verdict over some log-probs: kAnomaly | kInexact, and the lowest set
 // bit and the top bit exponents of the nonzero ones (1 << 30 and -(1 << 30) when there are none).
