@@ -309,6 +309,9 @@ __device__ void stage_check(float* staged, const float* lp, int n_lp, int K, int
   }
 }
 
+// Lanes an entry in a queue batch of at most 32 / kSmallLanes entries (GpuBlock::expand).
+constexpr int kSmallLanes = 8;
+
 // The block as tree_build_parallel.h wants it: a phase runs on every thread, then a barrier;
 // an exclusive scan and a histogram suffix pick as collectives (warp shuffles, two barriers).
 struct GpuBlock {
@@ -373,16 +376,19 @@ struct GpuBlock {
     }
     return base;
   }
-  // The queue (tree_build_parallel.h, section 1'): entries [1, n0) are written (the root's run and
-  // its rank-0 child's; len gives that child 0). Warp w of W takes the w-th of W equal shares of
-  // them as its first batch, then, batch by batch, the children it wrote itself: a batch's run
-  // lengths (len(i)), one atomic on *work (the entries allocated) for all its runs, placed
-  // contiguously there in batch order, and the children written flattened, a child a lane (put(i,
-  // e, r) writes rank r of entry i into entry e, score and key, and returns its cand, stored here).
-  // No entry passes between warps, so no entry waits on a ready flag or a fence: a __syncwarp
-  // orders a batch's writes before the next batch reads them. A batch of at most 32 entries keeps
-  // its lengths and offsets in registers (a lane each; the children's runs found by a binary search
+  // The queue (tree_build_parallel.h, section 1'): entries [1, n0) are written (the first runs;
+  // len and probe give the chain nodes among them nothing to expand). Warp w of W takes the w-th
+  // of W equal shares of them as its first batch, then, batch by batch, the children it wrote
+  // itself: a batch's run lengths (len(i); probe(i, &u): the row of i's children and the least
+  // log-prob that keeps one, or nullptr), one atomic on *work (the entries allocated) for all its
+  // runs, placed contiguously there in batch order, and the children written, a child a lane
+  // (put(i, e, r) writes rank r of entry i into entry e, score and key, and returns its cand,
+  // stored here). No entry passes between warps, so no entry waits on a ready flag or a fence: a
+  // __syncwarp orders a batch's writes before the next batch reads them. A batch of at most
+  // 32 / kSmallLanes entries tests its ranks by ballots (below); one of at most 32 keeps its
+  // lengths and offsets in registers (a lane each; the children's runs found by a binary search
   // over the lanes' offsets); a larger one writes its offsets to off[i] and searches them there.
+  // kc: the ranks a run may take (<= 64).
   // Returns the entries allocated, or -1 when they would pass cap (the pool is then incomplete).
   // *work must hold n0 (written before a barrier). Every thread calls it; it ends with a barrier.
   // Profiling probes (thread 0: warp 0's batches, the share that holds the root's rank-0 child): 70
@@ -410,16 +416,54 @@ struct GpuBlock {
   // took ~220 cycles against ~620, but its children ~1.1k against ~0.6k, the count now on the
   // write's chain (profile, bs 64, budget 63, seed 5); H200, bench.tree_ab, seeds 15 and 5:
   // 1.00-1.016x at budgets 33-63, bs 1-1024. Not kept.)
-  template <class Len, class Put>
-  __device__ int expand(unsigned* work, uint32_t* cand, int* off, int n0, int cap, Len len,
-                        Put put) {
+  template <class Len, class Probe, class Put>
+  __device__ int expand(unsigned* work, uint32_t* cand, int* off, int n0, int cap, int kc,
+                        Len len, Probe probe, Put put) {
     const int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
     const int share = (n0 - 1 + nw - 1) / nw;  // of the first runs, a warp's first batch
     int lo = 1 + (threadIdx.x >> 5) * share, hi = min(n0, lo + share);  // the batch: [lo, hi)
     while (lo < hi) {
       const int m = hi - lo;
       int total, base;
-      if (m <= 32) {
+      if (m <= 32 / kSmallLanes) {
+        // A narrow batch (the deepest subtree's are): kSmallLanes lanes an entry, lane `sub` of
+        // entry j testing ranks sub, sub + G, ... (kc <= 64). A rank's test is one ballot bit,
+        // the runs' lengths and offsets are population counts of the ballots, and the lane that
+        // passed a rank writes that child: no thread searches its run (count_at_least64: ~100
+        // instructions), no scan, no search for a child's run. H200, bench.tree_ab against the
+        // same kernel without this path, kernel alone, 3 rounds, seed 15 / seed 5: budget 63
+        // bs 64 0.959x / 0.954x, bs 4 0.985x / 0.998x, bs 16 0.984x, bs 1 0.999x / 0.978x, bs
+        // 256 0.996x / 0.975x, bs 1024 1.000x; budget 33 bs 64 0.916x / 0.987x, bs 1 0.964x;
+        // budget 47 bs 64 0.929x / 1.008x. Four lanes an entry (batches up to 8, sixteen ranks
+        // a lane), against the kernel before it: 1.01-1.07x at budget 63; sixteen (batches up
+        // to 2): 1.00-1.03x at bs 1-64, where eight took 0.98-0.985x.
+        constexpr int G = kSmallLanes, R = 64 / G;
+        static_assert(G >= 2 && R <= 32, "a lane's passes fit one word");
+        const int j = lane / G, sub = lane % G, i = lo + j;
+        float u = 0.0f;
+        const float* row = j < m ? probe(i, &u) : nullptr;
+        const unsigned below = (1u << (G * j)) - 1u;
+        unsigned mine = 0;  // bit k: this lane's rank sub + G k passed
+        int excl = 0, kend = 0;
+        total = 0;
+#pragma unroll
+        for (int k = 0; k < R; ++k) {
+          const int r = sub + G * k;
+          const bool p = row != nullptr && r < kc && row[r] >= u;
+          const unsigned b = __ballot_sync(kFull, p);
+          mine |= (unsigned)p << k;
+          excl += __popc(b & below);
+          total += __popc(b);
+          kend += b != 0u;  // runs are prefixes: the ballots that hold a pass come first
+        }
+        mark(70);
+        base = place(work, total, lane);
+        if (total == 0 || base + total > cap) break;
+        for (int k = 0; k < kend; ++k) {
+          const int r = sub + G * k, e = base + excl + r;
+          if ((mine >> k) & 1u) cand[e] = put(i, e, r);
+        }
+      } else if (m <= 32) {
         const int i = lo + lane;
         const int c = lane < m ? len(i) : 0;
         mark(70);
@@ -465,6 +509,19 @@ struct GpuBlock {
     __syncthreads();
     const int a = (int)*work;
     return a > cap ? -1 : a;
+  }
+  // count_at_least64 for a run of the rank-0 chain, 0 when not live (every lane alike): a
+  // lane's ranks are lane and lane + 32 (kc <= 64), the count two ballots' population. (Each
+  // thread's own count_at_least64, as before, is ~100 instructions on the first runs' chain:
+  // H200, bench.tree_ab against the kernel before, in one run, the narrow batches alone took
+  // 1.01-1.02x at budget 63 and 0.95-0.99x at 33, with these counts too 0.96-0.99x and
+  // 0.92-0.95x.)
+  __device__ int count_run(bool live, const float* row, int kc, double s, double t) {
+    const int lane = threadIdx.x & 31;
+    const float u = tree::par::float_at_least(t - s);
+    const bool p0 = live && lane < kc && row[lane] >= u;
+    const bool p1 = live && lane + 32 < kc && row[lane + 32] >= u;
+    return __popc(__ballot_sync(kFull, p0)) + __popc(__ballot_sync(kFull, p1));
   }
   // The queue's allocation: a batch's `total` entries at the end of the pool, one atomic on
   // *work by lane 0; returns the first (every lane). Probe 71 ends it.
@@ -579,9 +636,14 @@ struct GpuBlock {
 // shared (or a global) load: a pointer that may point to either compiles to slower generic loads.
 // cap, twin: the pool's capacity and copies (tree::par::plan).
 // C: the launch's scalars (tree::par::consts).
+// At most 80 registers a thread (__maxnreg__), as the kernel took before the ballots of the
+// queue's narrow batches and first runs (85 without the cap, 4 bytes spilled with it): three
+// blocks of 256 threads a multiprocessor. Uncapped, bs 1024 at budget 63 took 1.20x (H200,
+// bench.tree_ab; two blocks a multiprocessor).
 template <bool kStaged>
-__global__ void tree_build_parallel_kernel(TreeBuildArgs a, int cap, int twin, int nord,
-                                           const tree::par::Consts C) {
+__global__ void __maxnreg__(80)
+    tree_build_parallel_kernel(TreeBuildArgs a, int cap, int twin, int nord,
+                               const tree::par::Consts C) {
   extern __shared__ double smem[];
   const int n = a.budget + 1, W = (n + 31) / 32;
   const int b = blockIdx.x;
@@ -648,6 +710,10 @@ __global__ void tree_build_parallel_kernel(TreeBuildArgs a, int cap, int twin, i
   pdl_ready(lp);
   pdl_ready(ids);
   pdl_ready(mp);
+  // The first entries are shared memory alone: written while the kernel before this one runs
+  // (H200, bench.tree_ab against them after the wait: 0.985-1.001x at budgets 33-255, bs
+  // 1-1024).
+  if (kStaged) tree::par::first_entries(A, threadIdx.x, blockDim.x);
   pdl_enter();  // before any global access (pdl.cuh); the parameters are read above it
   if ((int)(threadIdx.x >> 5) == nw - 1) {
     warp_prefetch_l1(ids, lk * sizeof(int64_t), lane);
@@ -661,8 +727,7 @@ __global__ void tree_build_parallel_kernel(TreeBuildArgs a, int cap, int twin, i
   __shared__ int chk[3][32];  // per warp: flags, emin, emax
   if (kStaged) {
     float* staged = reinterpret_cast<float*>(next_sibling + n);
-    const int T = blockDim.x, K = a.K, n_lp = (int)lk;
-    tree::par::first_entries(A, threadIdx.x, T);
+    const int K = a.K, n_lp = (int)lk;
     const int w = threadIdx.x >> 5;
     // The staging's shape: five log-probs a lane over all warps but the last, which then takes
     // the chain sums beside them, when that covers them in one round; else eight a lane over

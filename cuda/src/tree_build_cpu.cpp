@@ -64,10 +64,16 @@ struct CpuBlock {
     for (int t = 0; t < T; ++t) f(t);
 #endif
   }
+  // count_at_least64 for a run of the rank-0 chain (0 when not live).
+  KDT_HD int count_run(bool live, const float* row, int kc, double s, double t) {
+    return live ? tree::par::count_at_least64(row, kc, s, t) : 0;
+  }
   // The queue in order: entry i expanded after entries 1 .. i - 1 (a breadth-first order; the
-  // CUDA block's order depends on its schedule, and the build does not depend on it).
-  template <class Len, class Put>
-  KDT_HD int expand(unsigned*, uint32_t* cand, int*, int n0, int cap, Len len, Put put) {
+  // CUDA block's order depends on its schedule, and the build does not depend on it). The CUDA
+  // block's narrow batches (probe, kc) are its own; the counts are the same.
+  template <class Len, class Probe, class Put>
+  KDT_HD int expand(unsigned*, uint32_t* cand, int*, int n0, int cap, int, Len len, Probe,
+                    Put put) {
     int a = n0;
 #if !defined(__CUDA_ARCH__)
     for (int i = 1; i < a; ++i) {

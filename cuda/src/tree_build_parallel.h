@@ -23,7 +23,7 @@
 //      the grid's corner extended by up to three rank-0 steps; the family's B-th best is <= the
 //      tree's B-th best.
 //   1'. Up to budget kQueueMaxBudget, the nodes at or above t go through a queue instead: the runs
-//      of the root and of its rank-0 child by the block (kChainRuns), then each warp expands a
+//      of the rank-0 chain's first three nodes by the block (kChainRuns), then each warp expands a
 //      share of them and, batch by batch, the children it wrote itself, each entry's run (the same
 //      count) placed at the end of the pool (Block::expand). A queue that would overflow the pool
 //      gives way to the levels.
@@ -74,8 +74,8 @@
 //
 // The Block (tree_build.cu's GpuBlock, tree_build_cpu.cpp's CpuBlock) runs each phase for every
 // thread then synchronises (run), and provides the collectives (an exclusive scan, run lengths
-// with their offsets, a suffix pick over a histogram, the chain prefix sums, the queue of
-// section 1': expand, which ends with a barrier); mark(id) is a
+// with their offsets, a suffix pick over a histogram, the chain prefix sums, a chain run's
+// length (count_run), the queue of section 1': expand, which ends with a barrier); mark(id) is a
 // profiling probe (clock64 on the GPU when built with KDT_PAR_PROFILE, else nothing; an id
 // names the phase that ends there, level d's are 100 + d, 200 + d and 300 + d; see
 // bench/tree_profile.py). Code outside run() is uniform: it runs once on the CPU and on every
@@ -103,21 +103,19 @@ constexpr int kMaxPool = 3072;  // pool capacity bound
 // (section 1'; see Block::expand below), and the queue's pool there.
 constexpr int kQueueMaxBudget = 63;
 constexpr int kQueuePool = 512;
-// The queue starts from the runs of the rank-0 chain's first kChainRuns nodes: the root's and
-// its rank-0 child's (build, section 1'), so that the rank-0 child's subtree, the deepest, is
-// shared among the warps from its second level on. H200, bench.tree_ab against the root's run
-// alone, kernel alone, three draws at budget 63: bs 64 0.865-0.963x, bs 256 0.953x, bs 1024
-// 0.946x, bs 16 0.973x; bs 1 0.96-1.05x, bs 4 0.91-1.043x; budgets 33 and 47 0.967-0.971x
-// (bs 1, 64). Three runs (the chain to depth 2): bs 1 budget 63 1.075x, bs 64 0.94x; four:
-// 1.11x and 0.91x (its first phase took 4.5k cycles against 1.0k); the counts of four runs
-// side by side instead of one after another (their rows clamped, the runs masked after): 1.03-
-// 1.25x, the code laid out worse (bs 1 budget 33 1.10x, where the chain changes nothing).
-// Measured again against two runs as kept (234389f's kernel), to pick the runs by batch size:
-// no batch size gains throughout. Three runs, seeds 15 and 5: budget 63 bs 64 0.98x and 1.01x,
-// bs 4 0.91-0.97x, bs 16 0.97-1.02x, bs 1, 256 and 1024 1.01-1.04x; budgets 33 and 47
-// 0.96-1.03x. Four (seed 15): budget 63 bs 64 0.94x, bs 4 0.99x, bs 1 budget 47 0.98x, the
-// other cases 1.05-1.07x.
-constexpr int kChainRuns = 2;
+// The queue starts from the runs of the rank-0 chain's first kChainRuns nodes: the root's, its
+// rank-0 child's and that child's rank-0 child's (build, section 1'), so that the deepest
+// subtree is shared among the warps from its third level on. Each run's length is two ballots
+// of a warp (Block::count_run; a lane a rank), and a chain node's liveness is its own score
+// against t, so the counts do not wait on one another. H200, bench.tree_ab, kernel alone, 3
+// rounds: three runs against two (both with those counts), seed 15 / seed 5: budget 63 bs 64
+// 0.927x / 0.949x, bs 4 0.930x / 0.889x, bs 16 0.965x, bs 256 0.979x / 0.974x, bs 1024 0.982x,
+// bs 1 0.992x / 1.002x; budgets 33 and 47 at bs 64 0.95-0.98x, bs 1 0.99x. Four, five and six
+// runs against three (seed 15): bs 64 budget 63 0.95-0.97x but every other case 1.00-1.07x
+// (seed 5, five runs: bs 64 1.04x). (With the counts one after another and searched a thread
+// each by count_at_least64, as before: three runs against two took 0.98-1.01x at bs 64 budget
+// 63, bs 1 1.01-1.04x; the root's run alone against two, 1.04-1.16x at bs 64.)
+constexpr int kChainRuns = 3;
 
 // Pool capacity for a budget: kQueuePool up to kQueueMaxBudget, else 4 (budget + 1) rounded up
 // to a multiple of 256, at most kMaxPool. Any capacity > budget is correct (a pool that
@@ -565,13 +563,12 @@ KDT_HD int count_at_least(const float* row, int kc, double s, double t) {
   return last_pass(0, kc, [&](int r) { return row[r] >= u; }) + 1;
 }
 
-// count_at_least for kc <= 64 (the queue's budgets) with no data-dependent branch: the last
-// rank of each group of eight first (eight independent loads: the groups that pass whole are a
-// prefix, since the row does not rise), then the ranks of the first group that does not (eight
-// more). Two rounds of loads against the 4-ary search's three, each behind a branch. Ranks >= kc
-// never count (their loads are clamped to kc - 1).
-KDT_HD int count_at_least64(const float* row, int kc, double s, double t) {
-  const float u = float_at_least(t - s);
+// count_at_least for kc <= 64 (the queue's budgets) with no data-dependent branch, given
+// u = float_at_least(t - s): the last rank of each group of eight first (eight independent
+// loads: the groups that pass whole are a prefix, since the row does not rise), then the ranks
+// of the first group that does not (eight more). Two rounds of loads against the 4-ary search's
+// three, each behind a branch. Ranks >= kc never count (their loads are clamped to kc - 1).
+KDT_HD int count_ge64(const float* row, int kc, float u) {
   const int last = kc - 1;
   int g = 0;
 #if defined(__CUDA_ARCH__)
@@ -590,6 +587,9 @@ KDT_HD int count_at_least64(const float* row, int kc, double s, double t) {
     c += r < kc && row[r < last ? r : last] >= u;
   }
   return 8 * g + c;
+}
+KDT_HD int count_at_least64(const float* row, int kc, double s, double t) {
+  return count_ge64(row, kc, float_at_least(t - s));
 }
 
 // The run of flattened element k: the last q < m with off[q] <= k (off: exclusive offsets of
@@ -670,8 +670,8 @@ KDT_HD double child_score(const float* row, double s, int r, int d) {
 
 // The queue: up to kQueueMaxBudget (above), the build expands the nodes at or above the first bound
 // through a queue (Block::expand) instead of level by level. On the GPU each warp expands a share
-// of the first runs (the root's and its rank-0 child's) and then the children it wrote itself, a
-// batch at a time: the batch's run lengths, one shared atomic to place all its runs, its children
+// of the first runs (of the rank-0 chain's first kChainRuns nodes) and then the children it wrote
+// itself, a batch at a time: the batch's run lengths, one shared atomic to place all its runs, its children
 // written a lane each. No barrier and no hand-over between warps, so no level waits for the block's
 // slowest parent or for a count, scan and write (~2.6k cycles a level). The first bound leaves few
 // nodes above it at small budgets (bench inputs, 64 requests: 79 at budget 63, at most 162) and
@@ -884,8 +884,11 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
 #endif
     for (int d = 0; d < kChainRuns; ++d) {
       cs[d] = d == 0 || d > L ? 0.0 : child_score(lp + (size_t)(d - 1) * K, cs[d - 1], 0, d);
-      const bool live = d < L && (d == 0 ? top >= tt : cc[d - 1] > 0);
-      cc[d] = live ? count_at_least64(lp + (size_t)d * K, kc, cs[d], tt) : 0;
+      // Chain node d is at or above t (its parent's run holds it) when its score is: under the
+      // exactness check that is rank 0 passing count_at_least64 in the run before, and the
+      // counts do not wait on one another.
+      const bool live = d < L && (d == 0 ? top >= tt : cs[d] >= tt);
+      cc[d] = blk.count_run(live, lp + (size_t)d * K, kc, cs[d], tt);
       cp[d + 1] = cp[d] + cc[d];
     }
     const int n0 = cp[kChainRuns];
@@ -912,21 +915,27 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
     });
     hist_clean = true;
     blk.mark(6);
-    const int n = blk.expand(
-        &S.work, P.cand, A.cnt, n0, cap,
-        [&](int i) {
-          bool done = false;  // a chain node whose run is written
+    // Entry i's children: the row they take their log-probs from and the least log-prob that
+    // keeps a child at or above t (count_at_least64's u), or nullptr when i has none to expand.
+    auto probe = [&](int i, float* u) -> const float* {
+      bool done = false;  // a chain node whose run is written
 #if defined(__CUDA_ARCH__)
 #pragma unroll
 #endif
-          for (int j = 0; j + 1 < kChainRuns; ++j) done |= i == cp[j] && cc[j] > 0;
-          const int d = cand_depth(P.cand[i]);
-          if (d >= L || (i < n0 && done)) return 0;
-          const float* row = lp + (size_t)d * K;
-          const double s = P.score[i];
-          return count_at_least64(row, kc, s, tt);
+      for (int j = 0; j + 1 < kChainRuns; ++j) done |= i == cp[j] && cc[j] > 0;
+      const int d = cand_depth(P.cand[i]);
+      if (d >= L || (i < n0 && done)) return nullptr;
+      *u = float_at_least(tt - P.score[i]);
+      return lp + (size_t)d * K;
+    };
+    const int n = blk.expand(
+        &S.work, P.cand, A.cnt, n0, cap, kc,
+        [&](int i) {
+          float u = 0.0f;
+          const float* row = probe(i, &u);
+          return row ? count_ge64(row, kc, u) : 0;
         },
-        put);
+        probe, put);
     blk.mark(7);
     if (n >= 0) {
       le = n;
