@@ -639,7 +639,10 @@ struct GpuBlock {
 // At most 80 registers a thread (__maxnreg__), as the kernel took before the ballots of the
 // queue's narrow batches and first runs (85 without the cap, 4 bytes spilled with it): three
 // blocks of 256 threads a multiprocessor. Uncapped, bs 1024 at budget 63 took 1.20x (H200,
-// bench.tree_ab; two blocks a multiprocessor).
+// bench.tree_ab; two blocks a multiprocessor). With the cap, against the kernel before these
+// changes (seeds 15, 5 and 7): budgets 127-1023 at bs 1 and 255 at bs 4 and 64 0.977-0.999x,
+// but bs 64 at budget 1023 1.014-1.019x, which nothing in the levels' code changed: the spill
+// or the code's layout (not measured apart).
 template <bool kStaged>
 __global__ void __maxnreg__(80)
     tree_build_parallel_kernel(TreeBuildArgs a, int cap, int twin, int nord,
