@@ -886,7 +886,8 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
       cs[d] = d == 0 || d > L ? 0.0 : child_score(lp + (size_t)(d - 1) * K, cs[d - 1], 0, d);
       // Chain node d is at or above t (its parent's run holds it) when its score is: under the
       // exactness check that is rank 0 passing count_at_least64 in the run before, and the
-      // counts do not wait on one another.
+      // counts do not wait on one another. (The test only spares a dead node's loads: a node
+      // below t counts no children anyway, since none scores above it.)
       const bool live = d < L && (d == 0 ? top >= tt : cs[d] >= tt);
       cc[d] = blk.count_run(live, lp + (size_t)d * K, kc, cs[d], tt);
       cp[d + 1] = cp[d] + cc[d];
