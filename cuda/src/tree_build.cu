@@ -377,18 +377,18 @@ struct GpuBlock {
     return base;
   }
   // The queue (tree_build_parallel.h, section 1'): entries [1, n0) are written (the first runs;
-  // len and probe give the chain nodes among them nothing to expand). Warp w of W takes the w-th
-  // of W equal shares of them as its first batch, then, batch by batch, the children it wrote
-  // itself: a batch's run lengths (len(i); probe(i, &u): the row of i's children and the least
-  // log-prob that keeps one, or nullptr), one atomic on *work (the entries allocated) for all its
-  // runs, placed contiguously there in batch order, and the children written, a child a lane
-  // (put(i, e, r) writes rank r of entry i into entry e, score and key, and returns its cand,
-  // stored here). No entry passes between warps, so no entry waits on a ready flag or a fence: a
-  // __syncwarp orders a batch's writes before the next batch reads them. A batch of at most
-  // 32 / kSmallLanes entries tests its ranks by ballots (below); one of at most 32 keeps its
-  // lengths and offsets in registers (a lane each; the children's runs found by a binary search
-  // over the lanes' offsets); a larger one writes its offsets to off[i] and searches them there.
-  // kc: the ranks a run may take (<= 64).
+  // probe gives the chain nodes among them nothing to expand). Warp w of W takes the w-th of W
+  // equal shares of them as its first batch, then, batch by batch, the children it wrote itself:
+  // a batch's run lengths (probe(i, &u): the row of i's children and the least log-prob that
+  // keeps one, or nullptr; len(i): tree::par::probe_len), one atomic on *work (the entries
+  // allocated) for all its runs, placed contiguously there in batch order, and the children
+  // written, a child a lane (put(i, e, r) writes rank r of entry i into entry e, score and key,
+  // and returns its cand, stored here). No entry passes between warps, so no entry waits on a
+  // ready flag or a fence: a __syncwarp orders a batch's writes before the next batch reads
+  // them. A batch of at most 32 / kSmallLanes entries tests its ranks by ballots (below); one
+  // of at most 32 keeps its lengths and offsets in registers (a lane each; the children's runs
+  // found by a binary search over the lanes' offsets); a larger one writes its offsets to
+  // off[i] and searches them there. kc: the ranks a run may take (<= 64).
   // Returns the entries allocated, or -1 when they would pass cap (the pool is then incomplete).
   // *work must hold n0 (written before a barrier). Every thread calls it; it ends with a barrier.
   // Profiling probes (thread 0: warp 0's batches, the share that holds the root's rank-0 child): 70
@@ -416,9 +416,10 @@ struct GpuBlock {
   // took ~220 cycles against ~620, but its children ~1.1k against ~0.6k, the count now on the
   // write's chain (profile, bs 64, budget 63, seed 5); H200, bench.tree_ab, seeds 15 and 5:
   // 1.00-1.016x at budgets 33-63, bs 1-1024. Not kept.)
-  template <class Len, class Probe, class Put>
+  template <class Probe, class Put>
   __device__ int expand(unsigned* work, uint32_t* cand, int* off, int n0, int cap, int kc,
-                        Len len, Probe probe, Put put) {
+                        Probe probe, Put put) {
+    auto len = [&](int i) { return tree::par::probe_len(probe, i, kc); };
     const int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
     const int share = (n0 - 1 + nw - 1) / nw;  // of the first runs, a warp's first batch
     int lo = 1 + (threadIdx.x >> 5) * share, hi = min(n0, lo + share);  // the batch: [lo, hi)

@@ -69,15 +69,14 @@ struct CpuBlock {
     return live ? tree::par::count_at_least64(row, kc, s, t) : 0;
   }
   // The queue in order: entry i expanded after entries 1 .. i - 1 (a breadth-first order; the
-  // CUDA block's order depends on its schedule, and the build does not depend on it). The CUDA
-  // block's narrow batches (probe, kc) are its own; the counts are the same.
-  template <class Len, class Probe, class Put>
-  KDT_HD int expand(unsigned*, uint32_t* cand, int*, int n0, int cap, int, Len len, Probe,
+  // CUDA block's order depends on its schedule, and the build does not depend on it).
+  template <class Probe, class Put>
+  KDT_HD int expand(unsigned*, uint32_t* cand, int*, int n0, int cap, int kc, Probe probe,
                     Put put) {
     int a = n0;
 #if !defined(__CUDA_ARCH__)
     for (int i = 1; i < a; ++i) {
-      const int c = len(i);
+      const int c = tree::par::probe_len(probe, i, kc);
       if (a + c > cap) return -1;
       for (int r = 0; r < c; ++r) cand[a + r] = put(i, a + r, r);
       a += c;

@@ -591,6 +591,13 @@ KDT_HD int count_ge64(const float* row, int kc, float u) {
 KDT_HD int count_at_least64(const float* row, int kc, double s, double t) {
   return count_ge64(row, kc, float_at_least(t - s));
 }
+// The queue's run length of entry i from its probe (build, section 1'; 0 when nothing to expand).
+template <class Probe>
+KDT_HD int probe_len(Probe& probe, int i, int kc) {
+  float u = 0.0f;
+  const float* row = probe(i, &u);
+  return row ? count_ge64(row, kc, u) : 0;
+}
 
 // The run of flattened element k: the last q < m with off[q] <= k (off: exclusive offsets of
 // the runs, off[0] = 0 <= k < total). An empty run shares its offset with the next, so q's run
@@ -671,9 +678,10 @@ KDT_HD double child_score(const float* row, double s, int r, int d) {
 // The queue: up to kQueueMaxBudget (above), the build expands the nodes at or above the first bound
 // through a queue (Block::expand) instead of level by level. On the GPU each warp expands a share
 // of the first runs (of the rank-0 chain's first kChainRuns nodes) and then the children it wrote
-// itself, a batch at a time: the batch's run lengths, one shared atomic to place all its runs, its children
-// written a lane each. No barrier and no hand-over between warps, so no level waits for the block's
-// slowest parent or for a count, scan and write (~2.6k cycles a level). The first bound leaves few
+// itself, a batch at a time: the batch's run lengths, one shared atomic to place all its runs,
+// its children written a lane each. No barrier and no hand-over between warps, so no level waits
+// for the block's slowest parent or for a count, scan and write (~2.6k cycles a level). The
+// first bound leaves few
 // nodes above it at small budgets (bench inputs, 64 requests: 79 at budget 63, at most 162) and
 // more at larger ones (428 at 255, at most 1460; 3675 at 1023), where the levels' refinements keep
 // the pool and the order's buckets small. H200, bench.tree_ab against the levels (with the
@@ -917,7 +925,8 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
     hist_clean = true;
     blk.mark(6);
     // Entry i's children: the row they take their log-probs from and the least log-prob that
-    // keeps a child at or above t (count_at_least64's u), or nullptr when i has none to expand.
+    // keeps a child at or above t (count_at_least64's u), or nullptr when i has none to expand;
+    // its run's length is then count_ge64 (probe_len).
     auto probe = [&](int i, float* u) -> const float* {
       bool done = false;  // a chain node whose run is written
 #if defined(__CUDA_ARCH__)
@@ -929,14 +938,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
       *u = float_at_least(tt - P.score[i]);
       return lp + (size_t)d * K;
     };
-    const int n = blk.expand(
-        &S.work, P.cand, A.cnt, n0, cap, kc,
-        [&](int i) {
-          float u = 0.0f;
-          const float* row = probe(i, &u);
-          return row ? count_ge64(row, kc, u) : 0;
-        },
-        probe, put);
+    const int n = blk.expand(&S.work, P.cand, A.cnt, n0, cap, kc, probe, put);
     blk.mark(7);
     if (n >= 0) {
       le = n;
