@@ -568,6 +568,11 @@ KDT_HD int count_at_least(const float* row, int kc, double s, double t) {
 // loads: the groups that pass whole are a prefix, since the row does not rise), then the ranks
 // of the first group that does not (eight more). Two rounds of loads against the 4-ary search's
 // three, each behind a branch. Ranks >= kc never count (their loads are clamped to kc - 1).
+// (The queue's rows padded instead, a copy staged beside the log-probs: ranks 0..63 with -inf
+// from kc on, then each row's eight group ends, so that a count was four aligned 16-byte loads
+// and no clamps: the first batch's run lengths at bs 64, budget 63 took ~1.0k cycles against
+// ~1.2k, but the copy cost the staging more; H200, bench.tree_ab, kernel alone, seeds 15 and 5:
+// budget 63 1.01-1.05x at bs 1-1024, budgets 33 and 47 1.00-1.05x. Not kept.)
 KDT_HD int count_ge64(const float* row, int kc, float u) {
   const int last = kc - 1;
   int g = 0;

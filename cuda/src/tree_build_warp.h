@@ -256,7 +256,15 @@ KDT_WARP_UNROLL
   int F = 1, hw = 1, count = 0;  // frontier size, high-water slot, pops: uniform
   // Two pops an iteration on CUDA with one slot a lane: the loop-carried lane state then needs
   // no register copies at the end of each pop. H200, bench.tree_ab, kernel alone, against one
-  // a pop: 0.95-0.99x at budgets 7-31 (bs 1, 4, 64, 1024); four a pop 1.02-1.08x.
+  // a pop: 0.95-0.99x at budgets 7-31 (bs 1, 4, 64, 1024); four a pop 1.02-1.08x. (Two pops
+  // per argmax instead, the second the best of the other lanes' (a second argmax beside the
+  // first pop's shuffles), the first pop's sibling and its child, compared exactly, then up
+  // to four successors placed at once: bit-exact (the CPU tree tests and the CUDA ones
+  // passed), but the second pop's successors still wait on the first's, since choosing it
+  // needs their scores, so the chain did not shorten while the instructions grew: under
+  // Nsight Compute, bs 1, budget 15, 3.8k warp instructions a build against 2.5k, ~3.6 cycles
+  // each either way; bench.tree_ab, seeds 15 and 5: 1.12-1.23x at budgets 1-3, 1.32-1.44x at
+  // 7, 1.55-1.71x at 15, 1.59-1.97x at 31. Not kept.)
 #if defined(__CUDA_ARCH__)
 #pragma unroll(S == 1 ? 2 : 1)
 #endif
