@@ -263,7 +263,7 @@ KDT_WARP_UNROLL
   // passed), but the second pop's successors still wait on the first's, since choosing it
   // needs their scores, so the chain did not shorten while the instructions grew: under
   // Nsight Compute, bs 1, budget 15, 3.8k warp instructions a build against 2.5k, ~3.6 cycles
-  // each either way; bench.tree_ab, seeds 15 and 5: 1.12-1.23x at budgets 1-3, 1.32-1.44x at
+  // each either way; bench.tree_ab, seeds 15 and 5: 1.12-1.22x at budgets 1-3, 1.32-1.44x at
   // 7, 1.55-1.71x at 15, 1.59-1.97x at 31. Not kept.)
 #if defined(__CUDA_ARCH__)
 #pragma unroll(S == 1 ? 2 : 1)
