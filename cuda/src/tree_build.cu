@@ -415,7 +415,17 @@ struct GpuBlock {
   // (the lane that takes that entry when the batch has at most 32): a later batch's run lengths
   // took ~220 cycles against ~620, but its children ~1.1k against ~0.6k, the count now on the
   // write's chain (profile, bs 64, budget 63, seed 5); H200, bench.tree_ab, seeds 15 and 5:
-  // 1.00-1.016x at budgets 33-63, bs 1-1024. Not kept.)
+  // 1.00-1.016x at budgets 33-63, bs 1-1024. Not kept. A look-ahead: each batch of at most 32
+  // entries also counting and writing the runs of its entries' rank-0 children (their scores
+  // known from the entries', so the counts do not wait on the writes), those children then not
+  // expanded again, so that a rank-0 chain advances two levels a batch. A replay of the queue
+  // in Python put the deepest warp's batches at 5 / 4 / 4 against 7 / 6 / 6 (bench inputs, bs
+  // 64, budget 63, seeds 15 / 5 / 7). It was bit-exact (the CUDA tree tests passed), but a
+  // batch's run lengths took 1.5-2.5k cycles against 0.75-1.2k and its children ~0.9k against
+  // ~0.65k (profile, bs 64, budget 63, seed 5: warp 0 ran 4 batches instead of 5); H200,
+  // bench.tree_ab, seeds 15 and 5: budget 63 1.02-1.13x at bs 1-1024, 47 1.06-1.19x, 33
+  // 0.98-1.14x. A narrow batch's counts from one redux.sync of per-entry bytes instead of the
+  // eight ballots (no look-ahead): 1.00-1.025x at budgets 33-63. Neither kept.)
   template <class Probe, class Put>
   __device__ int expand(unsigned* work, uint32_t* cand, int* off, int n0, int cap, int kc,
                         Probe probe, Put put) {
