@@ -140,7 +140,9 @@ KDT_HD int pool_capacity(int budget) {
 // entries) 1.00-1.01x, so it keeps 1024. The power-of-two buckets came with the exact bins
 // (Bins), and were measured with them (see Bins). 256 buckets for the queue's pool (budget
 // <= 63) instead: 0.99-1.01x at bs 1-16 and 1.03-1.045x at bs 64 (bench.tree_ab).
-KDT_HD int order_bins(int cap) { return cap > 2048 ? 4 * kOrderBins : kOrderBins; }
+KDT_HD int order_bins(int cap) {
+  return cap <= kQueuePool ? kBins : cap > 2048 ? 4 * kOrderBins : kOrderBins;
+}
 
 // Ranks of the first bound's chain deviations, (0, ..., 0, r) for r < family_ranks (build,
 // section 0): every rank a budget can select, except that the queue's budgets take 32 at most.
