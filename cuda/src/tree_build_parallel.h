@@ -42,8 +42,8 @@
 //      copy, or, where shared memory holds one copy only (Arrays::twin; sm_120 at large
 //      budgets), in place through a small buffer, a round at a time.
 //   3. The kept nodes are ordered by (score desc, rank path asc): a bucket sort on the score
-//      (order_bins: 1024 buckets, or 4096 for a pool above 2048), ranks counted inside
-//      a bucket; the first B are nodes 1..B. (Counting each kept entry's rank over the whole
+//      (order_bins: 256, 1024 or 4096 buckets by the pool's capacity), ranks counted inside
+//      a bucket with no branch; the first B are nodes 1..B. (Counting each kept entry's rank over the whole
 //      pool instead, one phase with no buckets, for pools up to 256 entries: H200, bench.tree_ab,
 //      1.07x at bs 1 and 1.20x at bs 64, budget 63, 1.25-1.30x at 127, with a branch-free loop
 //      unrolled 4 times; its phase took 5.6k cycles at budget 63, bs 64, against 4.5k for the
@@ -132,14 +132,17 @@ KDT_HD int pool_capacity(int budget) {
 }
 
 // Score buckets of the final order for a pool capacity (hist holds this many; a power of two,
-// Bins): 4096 for a pool above 2048 entries, else kOrderBins. Buckets are 2^k wide, so that
-// between half and all of them span the scores. The pool's scores crowd toward the threshold (a
-// tree has more nodes at lower scores), and ranking an entry inside its bucket costs the
-// bucket's size. H200, bench.tree_ab, when buckets were linear: one per entry against 1024 took
+// Bins): kBins (256) for a pool of at most kQueuePool entries (budgets up to 127), 4096 for one
+// above 2048 entries, else kOrderBins. Buckets are 2^k wide, so that between half and all of
+// them span the scores. The pool's scores crowd toward the threshold (a tree has more nodes at
+// lower scores), and ranking an entry inside its bucket costs the bucket's size. H200, bench.tree_ab, when buckets were linear: one per entry against 1024 took
 // budget 1023 (3072 entries) 0.95x at bs 1 and 0.95-0.97x at bs 64, and budget 511 (2048
 // entries) 1.00-1.01x, so it keeps 1024. The power-of-two buckets came with the exact bins
 // (Bins), and were measured with them (see Bins). 256 buckets for the queue's pool (budget
-// <= 63) instead: 0.99-1.01x at bs 1-16 and 1.03-1.045x at bs 64 (bench.tree_ab).
+// <= 63) took 0.99-1.01x at bs 1-16 and 1.03-1.045x at bs 64 (bench.tree_ab) when a bucket's
+// ranks were counted with a branch an entry; with the branch-free count (build, section 3),
+// 256 for pools of up to 512 entries against 1024, H200, bench.tree_ab, seeds 15 and 5:
+// budget 63 0.973-0.999x at bs 1-256, 33 0.979-0.986x, 127 0.987-0.998x.
 KDT_HD int order_bins(int cap) {
   return cap <= kQueuePool ? kBins : cap > 2048 ? 4 * kOrderBins : kOrderBins;
 }
