@@ -137,11 +137,18 @@ def _kernel_alone(device, fn) -> dict | None:
             "timing": "20 calls in one CUDA graph, replayed, / 20 (no L2 flush)"}
 
 
+def tree_case_inputs(rng: np.random.Generator, bs: int, budget: int) -> dict:
+    """A tree case's requests as this suite draws them: the first draw of the case's generator
+    (default_rng of the seed its records carry), L depths, min(budget, 64) ranks. bench.tree_ab
+    --draw-from draws a run's requests again this way."""
+    return tree_inputs(rng, bs, L, min(budget, 64))
+
+
 def _tree_and_accept_on_stream(lib, device, bs, budget, rng, seed, timer) -> list:
     from engine.reference import ddtree
 
     K = min(budget, 64)
-    inp = tree_inputs(rng, bs, L, K)
+    inp = tree_case_inputs(rng, bs, budget)
     rows = sample_requests(bs, budget)
     ref = ddtree.build_tree(*(inp[k][rows] for k in ("top_logp", "top_ids")), budget,
                             *(inp[k][rows] for k in ("root_ids", "seq_lens")))

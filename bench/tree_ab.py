@@ -1,26 +1,30 @@
 """Two builds of libkdtree side by side on the same requests: the tree build timed for each in one
 process, alternating A, B, A, B over rounds, so that a kernel change is measured against its base
-on identical inputs and under the same clocks (the suites draw fresh inputs every run, so two
-runs compare well only at large batches). Every case is first checked bit for bit against the
-reference, for both libraries.
+on identical inputs and under the same clocks (the suites draw fresh inputs every run, and a
+batch takes as long as its slowest request, so two runs compare poorly even at bs 64). Every
+case is first checked bit for bit against the reference, for both libraries.
 
     python3 -m bench.tree_ab build/base/libkdtree.so build/new/libkdtree.so
         [--device cuda|cpu] [--cases 64:1023,1:1023,64:255,64:63,1:63,64:15,1:15]
-        [--rounds 2] [--seed 15] [--algo auto] [--timing alone|call] [--after-torch]
+        [--rounds 2] [--seed 15 | --draw-from RUN] [--algo auto] [--timing alone|call]
+        [--after-torch]
 
 CUDA times the kernel alone (a CUDA graph of 20 calls / 20, bench.timing.time_cuda_graph), or
 with --timing call one call from Python between events as the kernels suite times it (no L2
 flush, the launch included); the CPU the bare call. --after-torch puts a one-element torch
 kernel before each call on the same stream, so that the kernel before the build is not one of
 ours (as a torch drafter's top-k would be) and PDL's edge follows a kernel that never
-triggers; both figures of a case then include that kernel. Prints one line per case: both
-medians (the median over the rounds of each round's median) and B / A. Exits 1 on a wrong
-tree, 2 on a bad argument.
+triggers; both figures of a case then include that kernel. --draw-from RUN takes each case's
+requests from a kernels-suite run folder instead (the seed its kernels.json records for that bs
+and budget, drawn again as the suite draws them), so that both builds run on the requests
+behind that run's figures. Prints one line per case: both medians (the median over the rounds
+of each round's median) and B / A. Exits 1 on a wrong tree, 2 on a bad argument.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -53,10 +57,49 @@ def _inputs(seed: int, bs: int, budget: int) -> dict:
     return tree_inputs(np.random.default_rng([seed, bs, budget]), bs, L, min(budget, 64))
 
 
+def run_seeds(run: Path) -> dict:
+    """{(bs, budget): seed} of the tree cases in a kernels-suite run folder (its kernels.json).
+    ValueError naming what is unreadable, malformed or contradictory."""
+    f = Path(run) / "kernels.json"
+    try:
+        doc = json.loads(f.read_text())
+    except OSError as e:
+        raise ValueError(f"--draw-from: cannot read {f} ({e.strerror or e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"--draw-from: {f} is not JSON ({e})") from None
+    rows = doc.get("results") if isinstance(doc, dict) else None
+    if not isinstance(rows, list):
+        raise ValueError(f"--draw-from: {f} has no 'results' list")
+    seeds = {}
+    for i, x in enumerate(rows):
+        if not isinstance(x, dict) or x.get("bench") != "tree_build":
+            continue
+        try:
+            key = (int(x["case"]["bs"]), int(x["case"]["budget"]))
+            seed = x["seed"]
+            if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+                raise ValueError(f"seed {seed!r} is not a non-negative integer")
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"--draw-from: {f}: result {i} has no usable case and seed "
+                             f"({type(e).__name__}: {e})") from None
+        if seeds.setdefault(key, seed) != seed:
+            raise ValueError(f"--draw-from: {f}: bs {key[0]} budget {key[1]} has two seeds "
+                             f"({seeds[key]} and {seed})")
+    return seeds
+
+
+def drawn_inputs(seed: int, bs: int, budget: int) -> dict:
+    """The requests the kernels suite drew for a tree case with this seed."""
+    from bench.kernels import tree_case_inputs
+
+    return tree_case_inputs(np.random.default_rng(seed), bs, budget)
+
+
 def compare(libs, device: str, cases, rounds: int, seed: int, algo: str, out=print,
-            timing: str = "alone", after_torch: bool = False) -> bool:
+            timing: str = "alone", after_torch: bool = False, seeds: dict | None = None) -> bool:
     """Times every case for each library (rounds x (A, B)); prints a line per case; returns
-    False when a library builds a wrong tree (that case is then not timed)."""
+    False when a library builds a wrong tree (that case is then not timed). seeds (run_seeds):
+    each case's requests are a run's (drawn_inputs), else drawn from seed."""
     from bench.native_calls import prepare_tree_build
     from bench.timing import summarize, time_cpu, time_cuda, time_cuda_graph
     from bench.tree_algo import side_stream, tree_algo
@@ -66,7 +109,8 @@ def compare(libs, device: str, cases, rounds: int, seed: int, algo: str, out=pri
     ok = True
     out(f"{'case':>16} {'A us':>9} {'B us':>9} {'B / A':>7}   (A {libs[0].path}, B {libs[1].path})")
     for bs, budget in cases:
-        inp = _inputs(seed, bs, budget)
+        inp = _inputs(seed, bs, budget) if seeds is None else drawn_inputs(seeds[(bs, budget)],
+                                                                           bs, budget)
         ref = ddtree.build_tree(inp["top_logp"], inp["top_ids"], budget, inp["root_ids"],
                                 inp["seq_lens"])
         with side_stream(device), tree_algo(algo):
@@ -114,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--cases", default=DEFAULT_CASES, help="bs:budget,... (default %(default)s)")
     ap.add_argument("--rounds", type=int, default=2, help="A, B alternations (default 2)")
-    ap.add_argument("--seed", type=int, default=15)
+    ap.add_argument("--seed", type=int, default=None, help="the requests' seed (default 15)")
+    ap.add_argument("--draw-from", type=Path, metavar="RUN",
+                    help="a kernels-suite run folder: each case's requests are the run's")
     ap.add_argument("--algo", default="auto", help="KDT_TREE_BUILD for both (default auto)")
     ap.add_argument("--timing", choices=("alone", "call"), default="alone",
                     help="CUDA: the kernel alone (a graph of 20 calls / 20) or one call from "
@@ -130,6 +176,19 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--rounds must be >= 1, got {a.rounds}")
     if a.device == "cpu" and (a.timing != "alone" or a.after_torch):
         ap.error("--timing call and --after-torch are CUDA options (the CPU times the bare call)")
+    seeds = None
+    if a.draw_from is not None:
+        if a.seed is not None:
+            ap.error("--seed and --draw-from both choose the requests: give one")
+        try:
+            seeds = run_seeds(a.draw_from)
+        except ValueError as e:
+            ap.error(str(e))
+        missing = [f"{bs}:{b}" for bs, b in cases if (bs, b) not in seeds]
+        if missing:
+            have = ",".join(f"{bs}:{b}" for bs, b in sorted(seeds)) or "none"
+            ap.error(f"--draw-from: {a.draw_from} has no tree case {', '.join(missing)} "
+                     f"(it has {have})")
     for p in (a.lib_a, a.lib_b):
         if not p.is_file():
             ap.error(f"no library at {p}")
@@ -143,8 +202,9 @@ def main(argv: list[str] | None = None) -> int:
         for lib in libs:
             if not lib.has_cuda:
                 ap.error(f"{lib.path} is a CPU-only build: use --device cpu, or a CUDA build")
-    return 0 if compare(libs, a.device, cases, a.rounds, a.seed, a.algo, timing=a.timing,
-                        after_torch=a.after_torch) else 1
+    seed = 15 if a.seed is None else a.seed
+    return 0 if compare(libs, a.device, cases, a.rounds, seed, a.algo, timing=a.timing,
+                        after_torch=a.after_torch, seeds=seeds) else 1
 
 
 if __name__ == "__main__":

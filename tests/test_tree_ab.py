@@ -4,8 +4,10 @@ validated and timed on every case, and that bad arguments and wrong trees are re
 
 from __future__ import annotations
 
+import json
 import shutil
 
+import numpy as np
 import pytest
 from native_helpers import native
 
@@ -77,3 +79,77 @@ def test_missing_and_identical_libraries_are_refused(two_libs, tmp_path, capsys)
         with pytest.raises(SystemExit) as e:
             tree_ab.main(args + ["--device", "cpu"])
         assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def _run_folder(path, results):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "kernels.json").write_text(json.dumps({"results": results}))
+    return path
+
+
+def test_draw_from_gives_the_suites_own_requests(tmp_path, monkeypatch):
+    """The seed a kernels-suite record carries draws again exactly the requests the suite built
+    its tree from (captured here from the suite's own call on the CPU backend)."""
+    from bench import kernels
+
+    lib = native().library()
+    seen = {}
+    real = kernels.prepare_tree_build
+
+    def capture(lib_, device, inp, budget):
+        seen.setdefault("inp", {k: np.array(v, copy=True) for k, v in inp.items()})
+        return real(lib_, device, inp, budget)
+
+    monkeypatch.setattr(kernels, "prepare_tree_build", capture)
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    recs = kernels._tree_and_accept(lib, "cpu", 3, 15, np.random.default_rng(seed), seed,
+                                    lambda fn: [1e-6])
+    assert recs and all(r["validation"]["ok"] for r in recs)
+    run = _run_folder(tmp_path / "run", recs)
+    seeds = tree_ab.run_seeds(run)
+    assert seeds == {(3, 15): seed}
+    again = tree_ab.drawn_inputs(seeds[(3, 15)], 3, 15)
+    assert set(again) == set(seen["inp"])
+    for k, v in seen["inp"].items():
+        np.testing.assert_array_equal(again[k], v, err_msg=k)
+
+
+def test_draw_from_times_both_libraries_on_the_runs_requests(two_libs, tmp_path, capsys):
+    a, b = two_libs
+    run = _run_folder(tmp_path / "run", [
+        {"bench": "tree_build", "case": {"bs": 2, "budget": 15}, "seed": 7},
+        {"bench": "tree_build", "case": {"bs": 2, "budget": 15}, "seed": 7, "backend": "cuda"},
+        {"bench": "verify_attention", "case": {"bs": 2}, "seed": 9}])
+    rc = tree_ab.main([str(a), str(b), "--device", "cpu", "--cases", "2:15", "--rounds", "1",
+                       "--draw-from", str(run)])
+    out = capsys.readouterr().out.splitlines()
+    assert rc == 0 and out[1].split()[:4] == ["bs", "2", "B", "15"]
+
+
+@pytest.mark.parametrize("results, args, says", [
+    (None, [], "cannot read"),
+    ("not json", [], "is not JSON"),
+    ({"results": 3}, [], "has no 'results' list"),
+    ({"results": [{"bench": "tree_build", "case": {"bs": 1}, "seed": 1}]}, [],
+     "result 0 has no usable case and seed"),
+    ({"results": [{"bench": "tree_build", "case": {"bs": 1, "budget": 15}, "seed": -1}]}, [],
+     "seed -1 is not a non-negative integer"),
+    ({"results": [{"bench": "tree_build", "case": {"bs": 1, "budget": 15}, "seed": 1},
+                  {"bench": "tree_build", "case": {"bs": 1, "budget": 15}, "seed": 2}]}, [],
+     "bs 1 budget 15 has two seeds (1 and 2)"),
+    ({"results": [{"bench": "tree_build", "case": {"bs": 1, "budget": 15}, "seed": 1}]},
+     ["--cases", "1:15,4:63"], "has no tree case 4:63 (it has 1:15)"),
+    ({"results": [{"bench": "tree_build", "case": {"bs": 1, "budget": 15}, "seed": 1}]},
+     ["--cases", "1:15", "--seed", "3"], "--seed and --draw-from both choose the requests"),
+])
+def test_draw_from_refuses_what_it_cannot_use(two_libs, tmp_path, capsys, results, args, says):
+    a, b = two_libs
+    run = tmp_path / "run"
+    run.mkdir()
+    if results is not None:
+        (run / "kernels.json").write_text(results if isinstance(results, str)
+                                          else json.dumps(results))
+    with pytest.raises(SystemExit) as e:
+        tree_ab.main([str(a), str(b), "--device", "cpu", "--draw-from", str(run)]
+                     + (args or ["--cases", "1:15"]))
+    assert e.value.code == 2 and says in capsys.readouterr().err
