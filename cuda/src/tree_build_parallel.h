@@ -1187,7 +1187,8 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
       // of equal score and key (a tie deeper than the keys: rare) is counted by before() after.
       // (The loop before this one branched on each entry's score, then its key, then called
       // before(). H200, bench.tree_ab against it, kernel alone, seeds 15 and 5: budget 63
-      // 0.976-0.996x at bs 1-1024, 127 0.98-0.99x, 255 0.945-0.987x, 1023 0.89-0.96x; at bs 64
+      // 0.983-0.996x at bs 1-1024, 33 0.976-0.993x, 127 0.98-0.99x, 255 0.945-0.987x, 1023
+      // 0.89-0.96x (bs 1 and 64); at bs 64
       // the slowest block's ranks took 1.0k cycles against 2.2k at budget 63, and 4.5k against
       // 10.7k at 1023 (KDT_PAR_PROFILE, seed 5).)
       int r = b0, tie = 0, k = b0;
