@@ -134,13 +134,15 @@ std::string invalid_arguments() {
 }
 
 // The parallel build's layouts (tree::par::plan) on the two devices we target, L = 15, K = 64:
-// finer order buckets where they fit, never at the cost of pool entries or a pool copy.
+// 256 order buckets up to a pool of 512 entries (budgets up to 127), finer ones above where they
+// fit, never at the cost of pool entries or a pool copy.
 std::string plan_layouts() {
   namespace par = kdt::tree::par;
   struct Want { size_t limit; int budget, cap; bool twin; int nord; };
   const size_t h200 = 232448 - 1024, sm120 = 100352;  // opt-in bytes less the static kilobyte
-  const Want wants[] = {{h200, 63, 512, true, 1024},     {h200, 255, 1024, true, 1024},
-                        {sm120, 63, 512, true, 1024},    {h200, 511, 2048, true, 1024},
+  const Want wants[] = {{h200, 63, 512, true, 256},      {h200, 255, 1024, true, 1024},
+                        {sm120, 63, 512, true, 256},     {h200, 511, 2048, true, 1024},
+                        {h200, 127, 512, true, 256},     {h200, 128, 768, true, 1024},
                         {h200, 1023, 3072, true, 4096},  {h200, 1024, 3072, true, 4096},
                         {sm120, 767, 1536, true, 1024},  {sm120, 1023, 2304, false, 1024},
                         {sm120, 1024, 2304, false, 1024}};
