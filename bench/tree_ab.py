@@ -31,7 +31,6 @@ from pathlib import Path
 
 import numpy as np
 
-L = 15  # draft depth of the inputs, as in the suites
 DEFAULT_CASES = "64:1023,1:1023,64:255,1:255,64:63,1:63,64:15,1:15"
 
 
@@ -51,10 +50,11 @@ def parse_cases(text: str) -> list[tuple[int, int]]:
 
 
 def _inputs(seed: int, bs: int, budget: int) -> dict:
-    from bench.inputs import tree_inputs
+    from bench.kernels import tree_case_inputs
 
-    # One generator per case, so that a case's requests do not depend on the list's order.
-    return tree_inputs(np.random.default_rng([seed, bs, budget]), bs, L, min(budget, 64))
+    # One generator per case, so that a case's requests do not depend on the list's order; the
+    # suite's shape (depths, ranks).
+    return tree_case_inputs(np.random.default_rng([seed, bs, budget]), bs, budget)
 
 
 def run_seeds(run: Path) -> dict:

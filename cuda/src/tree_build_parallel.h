@@ -43,16 +43,16 @@
 //      budgets), in place through a small buffer, a round at a time.
 //   3. The kept nodes are ordered by (score desc, rank path asc): a bucket sort on the score
 //      (order_bins: 256, 1024 or 4096 buckets by the pool's capacity), ranks counted inside
-//      a bucket with no branch; the first B are nodes 1..B. (Counting each kept entry's rank over the whole
-//      pool instead, one phase with no buckets, for pools up to 256 entries: H200, bench.tree_ab,
-//      1.07x at bs 1 and 1.20x at bs 64, budget 63, 1.25-1.30x at 127, with a branch-free loop
-//      unrolled 4 times; its phase took 5.6k cycles at budget 63, bs 64, against 4.5k for the
-//      bucket sort's three. A warp an entry and a lane a column instead, the columns' scores
-//      in registers: 1.32x at bs 64 and 1.13x at bs 1, budget 63, ~350 cycles an entry in
-//      series in its warp, ~800 with a tie; four entries an iteration was slower still:
-//      8f7e796 and 7e71da8, reverted. G lanes an entry, G picked from the pool's size, each a
-//      stride of the columns, a shuffle sum: 7.5k cycles at bs 1, budget 63 (profile, seed
-//      5) against the buckets' 5.0k; bs 64's slowest block 42.7k against 21.7k. Not kept.
+//      a bucket with no branch; the first B are nodes 1..B. (Counting each kept entry's rank over
+//      the whole pool instead, one phase with no buckets, for pools up to 256 entries: H200,
+//      bench.tree_ab, 1.07x at bs 1 and 1.20x at bs 64, budget 63, 1.25-1.30x at 127, with a
+//      branch-free loop unrolled 4 times; its phase took 5.6k cycles at budget 63, bs 64, against
+//      4.5k for the bucket sort's three. A warp an entry and a lane a column instead, the columns'
+//      scores in registers: 1.32x at bs 64 and 1.13x at bs 1, budget 63, ~350 cycles an entry in
+//      series in its warp, ~800 with a tie; four entries an iteration was slower still: 8f7e796 and
+//      7e71da8, reverted. G lanes an entry, G picked from the pool's size, each a stride of the
+//      columns, a shuffle sum: 7.5k cycles at bs 1, budget 63 (profile, seed 5) against the
+//      buckets' 5.0k; bs 64's slowest block 42.7k against 21.7k. Not kept.
 //      A merge for the queue's pool up to 256 entries: each warp sorts a chunk of 32 entries
 //      with a bitonic network of shuffles, then an entry's rank is its slot plus a six-probe
 //      binary search of every other chunk on score and key (ties of both, rare, compared by
@@ -135,9 +135,10 @@ KDT_HD int pool_capacity(int budget) {
 // Bins): kBins (256) for a pool of at most kQueuePool entries (budgets up to 127), 4096 for one
 // above 2048 entries, else kOrderBins. Buckets are 2^k wide, so that between half and all of
 // them span the scores. The pool's scores crowd toward the threshold (a tree has more nodes at
-// lower scores), and ranking an entry inside its bucket costs the bucket's size. H200, bench.tree_ab, when buckets were linear: one per entry against 1024 took
-// budget 1023 (3072 entries) 0.95x at bs 1 and 0.95-0.97x at bs 64, and budget 511 (2048
-// entries) 1.00-1.01x, so it keeps 1024. The power-of-two buckets came with the exact bins
+// lower scores), and ranking an entry inside its bucket costs the bucket's size. H200,
+// bench.tree_ab, when buckets were linear: one per entry against 1024 took budget 1023 (3072
+// entries) 0.95x at bs 1 and 0.95-0.97x at bs 64, and budget 511 (2048 entries) 1.00-1.01x,
+// so it keeps 1024. The power-of-two buckets came with the exact bins
 // (Bins), and were measured with them (see Bins). 256 buckets for the queue's pool (budget
 // <= 63) took 0.99-1.01x at bs 1-16 and 1.03-1.045x at bs 64 (bench.tree_ab) when a bucket's
 // ranks were counted with a branch an entry; with the branch-free count (build, section 3),
@@ -1188,9 +1189,8 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
       // (The loop before this one branched on each entry's score, then its key, then called
       // before(). H200, bench.tree_ab against it, kernel alone, seeds 15 and 5: budget 63
       // 0.983-0.996x at bs 1-1024, 33 0.976-0.993x, 127 0.98-0.99x, 255 0.945-0.987x, 1023
-      // 0.89-0.96x (bs 1 and 64); at bs 64
-      // the slowest block's ranks took 1.0k cycles against 2.2k at budget 63, and 4.5k against
-      // 10.7k at 1023 (KDT_PAR_PROFILE, seed 5).)
+      // 0.89-0.96x (bs 1 and 64); at bs 64 the slowest block's ranks took 1.0k cycles against
+      // 2.2k at budget 63, and 4.5k against 10.7k at 1023 (KDT_PAR_PROFILE, seed 5).)
       int r = b0, tie = 0, k = b0;
       auto count = [&](int kx) {
         const int x = twin ? kx : A.srt[kx];
@@ -1209,7 +1209,8 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
       if (tie) {
         for (k = b0; k < b1; ++k) {
           const int x = twin ? k : A.srt[k];
-          if (k != q && Q.score[x] == se && Q.key[x] == ke) r += before(P, A.key_depth, A.srt[k], e);
+          if (k != q && Q.score[x] == se && Q.key[x] == ke)
+            r += before(P, A.key_depth, A.srt[k], e);
         }
       }
       if (r < budget) { A.inv[e] = (int16_t)(r + 1); A.order[r] = (uint16_t)e; }
