@@ -15,8 +15,8 @@ flush, the launch included); the CPU the bare call. --after-torch puts a one-ele
 kernel before each call on the same stream, so that the kernel before the build is not one of
 ours (as a torch drafter's top-k would be) and PDL's edge follows a kernel that never
 triggers; both figures of a case then include that kernel. --draw-from RUN takes each case's
-requests from a kernels-suite run folder instead (the seed its kernels.json records for that bs
-and budget, drawn again as the suite draws them), so that both builds run on the requests
+requests from a kernels-suite run folder instead (the seed its kernels.json records for that bs,
+budget and --device, drawn again as the suite draws them), so that both builds run on the requests
 behind that run's figures. Prints one line per case: both medians (the median over the rounds
 of each round's median) and B / A. Exits 1 on a wrong tree, 2 on a bad argument.
 """
@@ -57,9 +57,11 @@ def _inputs(seed: int, bs: int, budget: int) -> dict:
     return tree_case_inputs(np.random.default_rng([seed, bs, budget]), bs, budget)
 
 
-def run_seeds(run: Path) -> dict:
-    """{(bs, budget): seed} of the tree cases in a kernels-suite run folder (its kernels.json).
-    ValueError naming what is unreadable, malformed or contradictory."""
+def run_seeds(run: Path, backend: str) -> dict:
+    """{(bs, budget): seed} of one backend's tree cases in a kernels-suite run folder (its
+    kernels.json): the suite draws each backend's requests with a seed of its own, so a CUDA
+    comparison takes the CUDA rows' seeds. ValueError naming what is unreadable, malformed or
+    contradictory."""
     f = Path(run) / "kernels.json"
     try:
         doc = json.loads(f.read_text())
@@ -72,7 +74,8 @@ def run_seeds(run: Path) -> dict:
         raise ValueError(f"--draw-from: {f} has no 'results' list")
     seeds = {}
     for i, x in enumerate(rows):
-        if not isinstance(x, dict) or x.get("bench") != "tree_build":
+        if not isinstance(x, dict) or x.get("bench") != "tree_build" \
+                or x.get("backend") != backend:
             continue
         try:
             key = (int(x["case"]["bs"]), int(x["case"]["budget"]))
@@ -83,8 +86,8 @@ def run_seeds(run: Path) -> dict:
             raise ValueError(f"--draw-from: {f}: result {i} has no usable case and seed "
                              f"({type(e).__name__}: {e})") from None
         if seeds.setdefault(key, seed) != seed:
-            raise ValueError(f"--draw-from: {f}: bs {key[0]} budget {key[1]} has two seeds "
-                             f"({seeds[key]} and {seed})")
+            raise ValueError(f"--draw-from: {f}: {backend} bs {key[0]} budget {key[1]} has two "
+                             f"seeds ({seeds[key]} and {seed})")
     return seeds
 
 
@@ -181,13 +184,13 @@ def main(argv: list[str] | None = None) -> int:
         if a.seed is not None:
             ap.error("--seed and --draw-from both choose the requests: give one")
         try:
-            seeds = run_seeds(a.draw_from)
+            seeds = run_seeds(a.draw_from, a.device)
         except ValueError as e:
             ap.error(str(e))
         missing = [f"{bs}:{b}" for bs, b in cases if (bs, b) not in seeds]
         if missing:
             have = ",".join(f"{bs}:{b}" for bs, b in sorted(seeds)) or "none"
-            ap.error(f"--draw-from: {a.draw_from} has no tree case {', '.join(missing)} "
+            ap.error(f"--draw-from: {a.draw_from} has no {a.device} tree case {', '.join(missing)} "
                      f"(it has {have})")
     for p in (a.lib_a, a.lib_b):
         if not p.is_file():

@@ -106,41 +106,51 @@ def test_draw_from_gives_the_suites_own_requests(tmp_path, monkeypatch):
                                     lambda fn: [1e-6])
     assert recs and all(r["validation"]["ok"] for r in recs)
     run = _run_folder(tmp_path / "run", recs)
-    seeds = tree_ab.run_seeds(run)
-    assert seeds == {(3, 15): seed}
+    seeds = tree_ab.run_seeds(run, "cpu")
+    assert seeds == {(3, 15): seed} and tree_ab.run_seeds(run, "cuda") == {}
     again = tree_ab.drawn_inputs(seeds[(3, 15)], 3, 15)
     assert set(again) == set(seen["inp"])
     for k, v in seen["inp"].items():
         np.testing.assert_array_equal(again[k], v, err_msg=k)
 
 
-def test_draw_from_times_both_libraries_on_the_runs_requests(two_libs, tmp_path, capsys):
+def test_draw_from_times_both_libraries_on_the_runs_requests(two_libs, tmp_path, capsys,
+                                                             monkeypatch):
+    """The rows of the compared device give the seed: the suite draws the CPU's and the CUDA
+    backend's requests with seeds of their own (a real run holds both)."""
     a, b = two_libs
     run = _run_folder(tmp_path / "run", [
-        {"bench": "tree_build", "case": {"bs": 2, "budget": 15}, "seed": 7},
-        {"bench": "tree_build", "case": {"bs": 2, "budget": 15}, "seed": 7, "backend": "cuda"},
-        {"bench": "verify_attention", "case": {"bs": 2}, "seed": 9}])
+        _tree_row(2, 15, 7, "cpu"), _tree_row(2, 15, 8, "cuda"),
+        {"bench": "verify_attention", "backend": "cpu", "case": {"bs": 2}, "seed": 9}])
+    drawn = []
+    real = tree_ab.drawn_inputs
+    monkeypatch.setattr(tree_ab, "drawn_inputs",
+                        lambda seed, bs, budget: drawn.append(seed) or real(seed, bs, budget))
     rc = tree_ab.main([str(a), str(b), "--device", "cpu", "--cases", "2:15", "--rounds", "1",
                        "--draw-from", str(run)])
     out = capsys.readouterr().out.splitlines()
-    assert rc == 0 and out[1].split()[:4] == ["bs", "2", "B", "15"]
+    assert rc == 0 and out[1].split()[:4] == ["bs", "2", "B", "15"] and drawn == [7]
+
+
+def _tree_row(bs, budget, seed, backend="cpu"):
+    return {"bench": "tree_build", "backend": backend, "case": {"bs": bs, "budget": budget},
+            "seed": seed}
 
 
 @pytest.mark.parametrize("results, args, says", [
     (None, [], "cannot read"),
     ("not json", [], "is not JSON"),
     ({"results": 3}, [], "has no 'results' list"),
-    ({"results": [{"bench": "tree_build", "case": {"bs": 1}, "seed": 1}]}, [],
+    ({"results": [{"bench": "tree_build", "backend": "cpu", "case": {"bs": 1}, "seed": 1}]}, [],
      "result 0 has no usable case and seed"),
-    ({"results": [{"bench": "tree_build", "case": {"bs": 1, "budget": 15}, "seed": -1}]}, [],
-     "seed -1 is not a non-negative integer"),
-    ({"results": [{"bench": "tree_build", "case": {"bs": 1, "budget": 15}, "seed": 1},
-                  {"bench": "tree_build", "case": {"bs": 1, "budget": 15}, "seed": 2}]}, [],
-     "bs 1 budget 15 has two seeds (1 and 2)"),
-    ({"results": [{"bench": "tree_build", "case": {"bs": 1, "budget": 15}, "seed": 1}]},
-     ["--cases", "1:15,4:63"], "has no tree case 4:63 (it has 1:15)"),
-    ({"results": [{"bench": "tree_build", "case": {"bs": 1, "budget": 15}, "seed": 1}]},
-     ["--cases", "1:15", "--seed", "3"], "--seed and --draw-from both choose the requests"),
+    ({"results": [_tree_row(1, 15, -1)]}, [], "seed -1 is not a non-negative integer"),
+    ({"results": [_tree_row(1, 15, 1), _tree_row(1, 15, 2)]}, [],
+     "cpu bs 1 budget 15 has two seeds (1 and 2)"),
+    ({"results": [_tree_row(1, 15, 1)]}, ["--cases", "1:15,4:63"],
+     "has no cpu tree case 4:63 (it has 1:15)"),
+    ({"results": [_tree_row(1, 15, 1, "cuda")]}, [], "has no cpu tree case 1:15 (it has none)"),
+    ({"results": [_tree_row(1, 15, 1)]}, ["--cases", "1:15", "--seed", "3"],
+     "--seed and --draw-from both choose the requests"),
 ])
 def test_draw_from_refuses_what_it_cannot_use(two_libs, tmp_path, capsys, results, args, says):
     a, b = two_libs
