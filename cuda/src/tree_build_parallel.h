@@ -180,6 +180,20 @@ KDT_HD int family_ranks(int K, int budget) {
 KDT_HD uint32_t div_magic(int d) { return ((1u << 20) + (uint32_t)d - 1) / (uint32_t)d; }
 KDT_HD int div_by(int n, uint32_t magic) { return (int)(((uint32_t)n * magic) >> 20); }
 
+// The side q of the first bound's depth-3 cube at the queue's budgets: the nodes (a, b, c) with
+// a, b < q, 1 <= c < q and (a, b) != (0, 0) (build, section 0), 45 members at q = 4. It is
+// for the wide shallow requests, whose best nodes deviate at depth 3 after a deviation above:
+// the family without it leaves such a request's queue ~3x its budget (a Python replica of the
+// bound, bs 64, budget 63: run 20261204T142837Z's draw, largest pool 224 nodes -> 174, median
+// 78 -> 71). H200, bench.tree_ab, kernel alone, against the build without it: that run's draw
+// bs 64 0.844x, bs 1 0.930x; 18 fresh draws (seeds 1-18) bs 64 mean 0.991x (median 1.004x,
+// largest 13.46 -> 12.20 us), bs 16 0.991x, bs 1 1.008x (median 1.013x); budget 15 bs 4
+// 1.00x. A side of 5 (96 members) measured the same. KDT_CUBE_SIDE=0 builds without it.
+#ifndef KDT_CUBE_SIDE
+#define KDT_CUBE_SIDE 4
+#endif
+constexpr int kCubeSide = KDT_CUBE_SIDE;
+
 // The build's scalars for one launch (budget, L, K, threads T, order buckets), computed once on
 // the host (consts) and read by every thread: as loops or divisions by run-time values in each
 // thread they cost the block ~2-3k cycles before its first phase (H200, KDT_PAR_PROFILE, bs 64,
@@ -192,9 +206,13 @@ struct Consts {
   int mord;                 // log2 of the order buckets (nord)
   int g, h, E;              // the family's grid side, its corner's side, the corner's extensions
   int ngrid, next, nfam;    // the grid's members, the corner's, the family's
+  int q, ncube;             // the depth-3 cube's side and members (0 when none)
+  int oG, oE, oC;           // the thread that takes the grid's, the extensions' and the cube's
+                            // first member: the family's members before them, mod T
   int dT, rT, aT, bT;       // T % L, T / L, T % (g - 1), T / (g - 1) (g > 1)
   int step32;               // 32 % K (the CUDA staging)
   uint32_t mL, mw, mnext, mh;  // div_magic of L, g - 1, next and h (of 1 when unused)
+  uint32_t mq1, mq;             // div_magic of q - 1 and q (of 1 when unused)
 };
 
 inline Consts consts(int budget, int L, int K, int T, int nord) {
@@ -214,7 +232,12 @@ inline Consts consts(int budget, int L, int K, int T, int nord) {
   c.E = L - 2 < 3 ? (L > 2 ? L - 2 : 0) : 3;
   c.ngrid = c.g > 1 ? (c.g - 1) * c.g : 0;
   c.next = c.h > 1 ? (c.h - 1) * c.h : 0;
-  c.nfam = L * c.kf + c.ngrid + c.next * c.E;
+  c.q = budget <= kQueueMaxBudget && L >= 3 ? (kCubeSide < c.kc ? kCubeSide : c.kc) : 0;
+  c.ncube = c.q > 1 ? (c.q * c.q - 1) * (c.q - 1) : 0;
+  c.nfam = L * c.kf + c.ngrid + c.next * c.E + c.ncube;
+  c.oG = L * c.kf % T;
+  c.oE = (L * c.kf + c.ngrid) % T;
+  c.oC = (L * c.kf + c.ngrid + c.next * c.E) % T;
   const int w = c.g > 1 ? c.g - 1 : 1;
   c.dT = T % L;
   c.rT = T / L;
@@ -225,6 +248,8 @@ inline Consts consts(int budget, int L, int K, int T, int nord) {
   c.mw = div_magic(w);
   c.mnext = div_magic(c.next > 0 ? c.next : 1);
   c.mh = div_magic(c.h > 0 ? c.h : 1);
+  c.mq1 = div_magic(c.q > 1 ? c.q - 1 : 1);
+  c.mq = div_magic(c.q > 0 ? c.q : 1);
   return c;
 }
 
@@ -827,7 +852,9 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
   // sums of known values. The extensions bring deeper nodes in, where most of a large budget's
   // best nodes lie: on the CPU emulation (100 bench inputs, budget 1023) the first bound's
   // median gap to the B-th best falls from 2.0 to 1.2 and the pool overflows 57 times instead
-  // of 122.
+  // of 122. At the queue's budgets, the depth-3 cube (a, b, c), a, b < q, 1 <= c < q, (a, b)
+  // != (0, 0) (kCubeSide): distinct from the rest (its third rank is >= 1, and (0, 0, c) is a
+  // chain deviation), it brings in the wide shallow trees' nodes.
   const int g = C.g, h = C.h, E = C.E, next = C.next, nfam = C.nfam;
   blk.mark(20);
   if (nfam >= budget) {
@@ -840,10 +867,16 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
     hist_clean = false;
     blk.mark(21);
     refine(blk, A, bd, flo, top, budget, cap / 2, lsb, [&](int t, auto f) {
-      // Thread t takes elements t, t + T, ... of each part; the chain deviations and the grid
-      // with their fast index across the warp's lanes (the depth; r1), so that a warp's scores
-      // fall in different bins (lanes adding to one bin serialise), each index stepped by T
-      // without a division (the first index by div_by).
+      // Thread t takes elements j, j + T, ... of each part, j = (t - o) mod T where o is the
+      // members before the part (C.oG, oE, oC): the family read as one list, each thread at
+      // most ceil(nfam / T) members. Without o, at budget 63 and L 15, threads 0-89 took 4
+      // and, with the cube, threads 0-44 took 5, while threads 224-255 took 1. H200,
+      // bench.tree_ab, seeds 15 and 5: alone 0.995-1.006x at budgets 15-1023 (budget 15 bs 1
+      // 1.01x); with a cube of side 5 bs 1 1.004-1.009x against 1.017-1.021x without o, bs
+      // 64 1.004-1.008x against 1.010-1.013x. The chain deviations and the grid with their fast
+      // index across the warp's lanes (the depth; r1), so that a warp's scores fall in
+      // different bins (lanes adding to one bin serialise), each index stepped by T without a
+      // division (the first index by div_by).
       {
         const int dT = C.dT, rT = C.rT, r0 = div_by(t, C.mL);
         for (int d = t - r0 * L, r = r0; r < kf;) {  // (0, ..., 0, r) at depth d + 1
@@ -854,18 +887,25 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
         }
       }
       if (g > 1) {
-        const int w = g - 1, aT = C.aT, bT = C.bT, b0 = div_by(t, C.mw);
-        for (int a = t - b0 * w, r2 = b0; r2 < g;) {  // (1 + a, r2)
+        const int j0 = t < C.oG ? t - C.oG + T : t - C.oG;
+        const int w = g - 1, aT = C.aT, bT = C.bT, b0 = div_by(j0, C.mw);
+        for (int a = j0 - b0 * w, r2 = b0; r2 < g;) {  // (1 + a, r2)
           f((double)lp[1 + a] + (double)lp[(size_t)K + r2]);
           a += aT;
           r2 += bT;
           if (a >= w) { a -= w; ++r2; }
         }
       }
-      for (int j = t; j < next * E; j += T) {  // few
+      for (int j = t < C.oE ? t - C.oE + T : t - C.oE; j < next * E; j += T) {  // few
         const int e = 1 + div_by(j, C.mnext), x = j - (e - 1) * next;
         const int r1 = 1 + div_by(x, C.mh), r2 = x - (r1 - 1) * h;
         f(((double)lp[r1] + (double)lp[(size_t)K + r2]) + (A.chain[2 + e] - A.chain[2]));
+      }
+      for (int j = t < C.oC ? t - C.oC + T : t - C.oC; j < C.ncube; j += T) {
+        // (a, b, c): ab = q a + b >= 1, c >= 1
+        const int ab = 1 + div_by(j, C.mq1), c3 = 1 + j - (ab - 1) * (C.q - 1);
+        const int a = div_by(ab, C.mq), b = ab - a * C.q;
+        f(((double)lp[a] + (double)lp[(size_t)K + b]) + (double)lp[(size_t)2 * K + c3]);
       }
     });
   }

@@ -274,6 +274,8 @@ std::string div_exact() {
             return at + ": a thread index over L or g - 1 leaves div_by's domain";
           if (c.next > 0 && (!fits(c.next * c.E - 1, c.next) || !fits(c.next - 1, c.h)))
             return at + ": an extension index leaves div_by's domain";
+          if (c.ncube > 0 && (!fits(c.ncube - 1, c.q - 1) || !fits(c.q * c.q - 1, c.q)))
+            return at + ": a cube index leaves div_by's domain";
         }
   return "";
 }
