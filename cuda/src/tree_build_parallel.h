@@ -185,10 +185,11 @@ KDT_HD int div_by(int n, uint32_t magic) { return (int)(((uint32_t)n * magic) >>
 // for the wide shallow requests, whose best nodes deviate at depth 3 after a deviation above:
 // the family without it leaves such a request's queue ~3x its budget (a Python replica of the
 // bound, bs 64, budget 63: run 20261204T142837Z's draw, largest pool 224 nodes -> 174, median
-// 78 -> 71). H200, bench.tree_ab, kernel alone, against the build without it: that run's draw
-// bs 64 0.844x, bs 1 0.930x; 18 fresh draws (seeds 1-18) bs 64 mean 0.991x (median 1.004x,
-// largest 13.46 -> 12.20 us), bs 16 0.991x, bs 1 1.008x (median 1.013x); budget 15 bs 4
-// 1.00x. A side of 5 (96 members) measured the same. KDT_CUBE_SIDE=0 builds without it.
+// 78 -> 71). H200, bench.tree_ab, kernel alone, with the balanced start (the family's visit)
+// against the build with neither: that run's draw bs 64 0.844x, bs 1 0.930x; 18 fresh draws
+// (seeds 1-18) bs 64 mean 0.991x (median 1.004x, largest 13.46 -> 12.20 us), bs 16 0.991x,
+// bs 1 1.008x (median 1.013x); budget 15 bs 4 1.00x. A side of 5 (96 members) measured the
+// same. KDT_CUBE_SIDE=0 builds without it.
 #ifndef KDT_CUBE_SIDE
 #define KDT_CUBE_SIDE 4
 #endif
