@@ -50,11 +50,8 @@ def parse_cases(text: str) -> list[tuple[int, int]]:
 
 
 def _inputs(seed: int, bs: int, budget: int) -> dict:
-    from bench.kernels import tree_case_inputs
-
-    # One generator per case, so that a case's requests do not depend on the list's order; the
-    # suite's shape (depths, ranks).
-    return tree_case_inputs(np.random.default_rng([seed, bs, budget]), bs, budget)
+    # One generator per case, so that a case's requests do not depend on the list's order.
+    return drawn_inputs([seed, bs, budget], bs, budget)
 
 
 def run_seeds(run: Path, backend: str) -> dict:
@@ -91,8 +88,8 @@ def run_seeds(run: Path, backend: str) -> dict:
     return seeds
 
 
-def drawn_inputs(seed: int, bs: int, budget: int) -> dict:
-    """The requests the kernels suite drew for a tree case with this seed."""
+def drawn_inputs(seed: int | list[int], bs: int, budget: int) -> dict:
+    """The requests the kernels suite draws for a tree case from this seed (default_rng's)."""
     from bench.kernels import tree_case_inputs
 
     return tree_case_inputs(np.random.default_rng(seed), bs, budget)

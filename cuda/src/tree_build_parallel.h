@@ -179,6 +179,9 @@ KDT_HD int family_ranks(int K, int budget) {
 // division by a run-time value costs a thread a chain of ~20 instructions.
 KDT_HD uint32_t div_magic(int d) { return ((1u << 20) + (uint32_t)d - 1) / (uint32_t)d; }
 KDT_HD int div_by(int n, uint32_t magic) { return (int)(((uint32_t)n * magic) >> 20); }
+// (t - o) mod T for 0 <= t, o < T: thread t's first index in a family part that starts at
+// thread o (Consts::oG, oE, oC).
+KDT_HD int from_thread(int t, int o, int T) { return t < o ? t - o + T : t - o; }
 
 // The side q of the first bound's depth-3 cube at the queue's budgets: the nodes (a, b, c) with
 // a, b < q, 1 <= c < q and (a, b) != (0, 0) (build, section 0), 45 members at q = 4. It is
@@ -888,7 +891,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
         }
       }
       if (g > 1) {
-        const int j0 = t < C.oG ? t - C.oG + T : t - C.oG;
+        const int j0 = from_thread(t, C.oG, T);
         const int w = g - 1, aT = C.aT, bT = C.bT, b0 = div_by(j0, C.mw);
         for (int a = j0 - b0 * w, r2 = b0; r2 < g;) {  // (1 + a, r2)
           f((double)lp[1 + a] + (double)lp[(size_t)K + r2]);
@@ -897,12 +900,12 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
           if (a >= w) { a -= w; ++r2; }
         }
       }
-      for (int j = t < C.oE ? t - C.oE + T : t - C.oE; j < next * E; j += T) {  // few
+      for (int j = from_thread(t, C.oE, T); j < next * E; j += T) {  // few
         const int e = 1 + div_by(j, C.mnext), x = j - (e - 1) * next;
         const int r1 = 1 + div_by(x, C.mh), r2 = x - (r1 - 1) * h;
         f(((double)lp[r1] + (double)lp[(size_t)K + r2]) + (A.chain[2 + e] - A.chain[2]));
       }
-      for (int j = t < C.oC ? t - C.oC + T : t - C.oC; j < C.ncube; j += T) {
+      for (int j = from_thread(t, C.oC, T); j < C.ncube; j += T) {
         // (a, b, c): ab = q a + b >= 1, c >= 1
         const int ab = 1 + div_by(j, C.mq1), c3 = 1 + j - (ab - 1) * (C.q - 1);
         const int a = div_by(ab, C.mq), b = ab - a * C.q;
