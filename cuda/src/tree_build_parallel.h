@@ -1229,7 +1229,11 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
       // rank is at least the bucket's start. (The scores crowd toward the threshold, so these
       // are often the largest buckets. H200, bench.tree_ab against counting them, kernel alone,
       // seeds 15 and 5: budget 255 0.978-0.985x, 1023 0.977-0.996x (bs 1 and 64), 33 and 63
-      // 0.991-1.007x; seeds 2 and 3 budget 63 1.00x, 255 0.984-0.996x.)
+      // 0.991-1.007x; seeds 2 and 3 budget 63 1.00x, 255 0.984-0.996x. Such buckets skipped
+      // in the placing phase too, the ranks' loop ending at the end of the last bucket that
+      // starts before `budget` (a shared word the entry placed at budget - 1 writes): H200,
+      // bench.tree_ab against this, seeds 15 and 5, 3 rounds: budgets 47 and 63 1.008-1.015x at
+      // bs 1 and 64, 255 1.006-1.007x, 1023 0.999-1.003x. Not kept.)
       if (b0 >= budget) continue;
       const int y = twin ? q : e;
       const double se = Q.score[y];
