@@ -21,7 +21,17 @@
 //     fixed latencies (ncu, bs 64, budget 15: warps 29% issuing, 28% waiting on ALU results),
 //     not by the reduction-to-reduction chain: a lean pop that kept each lane's successor
 //     scores ready, carried no rank-path keys and let the winner store alone (032fdc3) still
-//     took ~135 instructions and measured 1.08-1.23x slower at budgets 15 and 31 (reverted);
+//     took ~135 instructions and measured 1.08-1.23x slower at budgets 15 and 31 (reverted).
+//     Nor is it the instruction count alone (2026-12-04, H200, bench.tree_ab against this kernel,
+//     kernel alone, 3 rounds, seeds 15 and 5): nine instructions fewer a pop (first child lists set
+//     to -1 before the pops, -0.0 folded by integer negation in ord, a 32-bit row bit with one slot
+//     a lane: ~124 -> ~115 in SASS) took 0.996-1.000x at budget 15 (bs 1 and 64; bs 1024 0.98x),
+//     0.98-0.99x at 31, 1.01-1.02x at budgets 3 and 7; each lane's successor scores kept ready
+//     (keys kept, every lane computing its own beside the reduction, so the pop shuffles the
+//     winner's two scores instead of loading and adding after it: four shuffles more, no log-prob
+//     load or addition after the reduction) took 1.03-1.055x at budgets 3-31 (seed 15), and
+//     1.10-1.35x when only the two changed lanes computed theirs (a branch whose reconvergence put
+//     the loads back on the chain). Not kept;
 //   - the sibling (or child) takes the winner's slot, the other push the next never-used slot
 //     (a high-water mark, < budget + 1); only the lanes whose slots changed rescan their S slots.
 //   - keys travel with the entries (a child's key is its parent's, a sibling's its left
@@ -65,7 +75,10 @@ constexpr int kMaxBudget = 32 * kMaxSlots - 1;  // 1023: the largest budget this
 // parallel 15.0-19.3 (bench.tree_ab, before the log-probs were staged as doubles). A frontier
 // kept sorted across the warp instead (no argmax: a pop merges two entries) measured 1.03x at
 // budget 15 and 1.33x at 63 against the earlier, branching pop: 390 instructions a pop, moving
-// and selecting whole entries per slot.
+// and selecting whole entries per slot. Again on 2026-12-04 (kernel alone, seeds 15 and 5, one
+// process): budget 15, warp 4.3-4.5 us (bs 1) and 5.2-5.3 (bs 64) against parallel 7.5-7.6 and
+// 8.3-8.4 at its best thread count (128 or 256; 32 threads 10.1-11.1); budget 31, warp 6.6-7.0
+// and 7.6-8.8 against 8.1-8.3 and 9.8; budget 63, warp 24.7-28.2 against 8.2-11.7.
 constexpr int kAutoMaxBudget = 31;
 // Up to this many slots a lane, i.e. up to kMaskMaxBudget, the build also makes the nodes'
 // visibility rows (WarpNodes::mask: 64 bits a row).
