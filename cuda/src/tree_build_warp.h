@@ -81,7 +81,16 @@ constexpr int kMaxBudget = 32 * kMaxSlots - 1;  // 1023: the largest budget this
 // and selecting whole entries per slot. Again on 2026-12-04 (kernel alone, seeds 15 and 5, one
 // process): budget 15, warp 4.3-4.5 us (bs 1) and 5.2-5.3 (bs 64) against parallel 7.5-7.6 and
 // 8.3-8.4 at its best thread count (128 or 256; 32 threads 10.1-11.1); budget 31, warp 6.6-7.0
-// and 7.6-8.8 against 8.1-8.3 and 9.8; budget 63, warp 24.7-28.2 against 8.2-11.7.
+// and 7.6-8.8 against 8.1-8.3 and 9.8; budget 63, warp 24.7-28.2 against 8.2-11.7. The
+// threshold method on this one warp instead of the pops (up to budget 31, L and K <= 32: the
+// exactness check, the chain's sums by a shuffle scan, the bound by a merge of the chain
+// deviations' rows a lane each, one reduction a step, the nodes at or above it level by level
+// (a binary search of the row, a shuffle scan, a search for each child's run), ranks counted
+// over the pool, an ancestor walk a row): bit-exact (the 206 CUDA tree tests passed), but
+// 2.0-2.7x the pops at budgets 3-31, bs 1-64 (seeds 15 and 5): 4.8-5.5 us at budget 3, 9.8-10.1
+// at 15, 15.1-17.5 at 31 (bs 1). On bench inputs its pool holds 20 nodes at the median at
+// budget 15 (54 at 31) in 3 (4) levels, but each level is ~0.7k cycles of shuffles and loads
+// in series, and the fixed part (check, sums, bound) ~2k.
 constexpr int kAutoMaxBudget = 31;
 // Up to this many slots a lane, i.e. up to kMaskMaxBudget, the build also makes the nodes'
 // visibility rows (WarpNodes::mask: 64 bits a row).
