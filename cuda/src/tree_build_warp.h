@@ -87,7 +87,7 @@ constexpr int kMaxBudget = 32 * kMaxSlots - 1;  // 1023: the largest budget this
 // deviations' rows a lane each, one reduction a step, the nodes at or above it level by level
 // (a binary search of the row, a shuffle scan, a search for each child's run), ranks counted
 // over the pool, an ancestor walk a row): bit-exact (the 206 CUDA tree tests passed), but
-// 2.0-2.7x the pops at budgets 3-31, bs 1-64 (seeds 15 and 5): 4.8-5.5 us at budget 3, 9.8-10.1
+// 2.0-2.7x the pops at budgets 3-31, bs 1-64 (seeds 15 and 5): 4.8-5.5 us at budget 3, 9.9-10.0
 // at 15, 15.1-17.5 at 31 (bs 1). On bench inputs its pool holds 20 nodes at the median at
 // budget 15 (54 at 31) in 3 (4) levels, but by the chain latencies above a level is ~0.7k
 // cycles of searches, shuffles and loads in series, and the fixed part (check, sums, bound)
