@@ -27,9 +27,9 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-# Probe ids (blk.mark in tree_build_parallel.h and tree_build.cu): each names the phase that
-# ends there; 100 + d, 200 + d and 300 + d are level d's; 70, 71 and 72 repeat for each of warp
-# 0's batches in the queue (GpuBlock::expand), and 7 then holds the wait for the other warps.
+# Probe ids (blk.mark in tree_build_parallel.h and tree_build_parallel.cu): each names the phase
+# that ends there; 100 + d, 200 + d and 300 + d are level d's; 70, 71 and 72 repeat for each of
+# warp 0's batches in the queue (GpuBlock::expand), and 7 then holds the wait for the other warps.
 PHASES = {
     10: "staging: start, first entries", 11: "staging: loaded, checked",
     12: "staging: warps' verdicts", 13: "staging: chain sums", 14: "staging: barrier",

@@ -1,6 +1,7 @@
 // tree_build_core.h: the DDTree best-first build (DDTREE.md section 2) as __host__ __device__
-// code shared by the CPU backend (tree_build_cpu.cpp) and the CUDA kernel (tree_build.cu), so
-// that both run the very same float64 operations in the very same order.
+// code shared by the CPU backend (tree_build_cpu.cpp) and the serial CUDA kernel
+// (tree_build_serial.cu), so that both run the very same float64 operations in the very same
+// order.
 //
 // One request at a time. The caller provides scratch for n = budget + 1 slots:
 //   heap_score [n] double, heap_cand [n] uint32   the frontier (a binary heap, best on top)

@@ -1,5 +1,5 @@
 // tree_build_cpu.cpp: the kdt_tree_build entry point (validation, dispatch) and its CPU backend.
-// The algorithm lives in tree_build_core.h, shared with the CUDA kernel (tree_build.cu).
+// The algorithm lives in tree_build_core.h, shared with the CUDA kernels (tree_build_serial.cu).
 //
 // KDT_TREE_BUILD (read per call) picks the algorithm: "serial" (the default here: the binary
 // heap, the fastest on one CPU core), "warp": the CUDA kernel's one-warp best-first build
@@ -26,8 +26,8 @@ namespace kdt {
 namespace {
 
 // The CPU stand-in for a CTA (tree_build_parallel.h's Block): each phase runs for thread 0, 1,
-// ..., T - 1 in turn; the collectives run serially (tree_build.cu's GpuBlock has the parallel
-// ones). Compiled by nvcc too (host code), hence KDT_HD and the guards.
+// ..., T - 1 in turn; the collectives run serially (tree_build_gpu_block.cuh's GpuBlock has the
+// parallel ones). Compiled by nvcc too (host code), hence KDT_HD and the guards.
 struct CpuBlock {
   int T;
   KDT_HD int threads() const { return T; }
@@ -247,7 +247,8 @@ kdt_status tree_build_cpu(const TreeBuildArgs& a) {
       write_tree_slot(a, o, i, used, a.root_ids[b], a.seq_lens[b], node_cand.data(),
                       node_score.data(), first_child.data(), next_sibling.data(), ids);
     // Row i = its parent's row plus bit i (parents come first): one row copy per node. The
-    // CUDA kernels walk each row's ancestors instead (tree_build.cu, write_visibility_rows).
+    // CUDA kernels walk each row's ancestors instead (tree_build_device.cuh,
+    // write_visibility_rows).
     uint32_t* vis = a.visibility + (size_t)b * n * W;
     std::memset(vis, 0, sizeof(uint32_t) * (size_t)n * W);
     if (warp && !masks.empty()) {  // the rows the warp build made with the tree (as on CUDA)

@@ -1,7 +1,7 @@
 // tree_build_warp.h: the DDTree best-first build (DDTREE.md section 2) on ONE warp, with no
-// block barrier, as __host__ __device__ code: the CUDA kernel (tree_build.cu, several requests
-// per CTA, a warp each) and the CPU emulation (tree_build_cpu.cpp, KDT_TREE_BUILD=warp) run this
-// very code, the CPU through CpuWarp below (32 lane states, collectives as loops).
+// block barrier, as __host__ __device__ code: the CUDA kernel (tree_build_warp.cu, several
+// requests per CTA, a warp each) and the CPU emulation (tree_build_cpu.cpp, KDT_TREE_BUILD=warp)
+// run this very code, the CPU through CpuWarp below (32 lane states, collectives as loops).
 //
 // It is the reference's heap order exactly (same float64 operations, same strict total order:
 // score descending, then rank path ascending), with the frontier held in registers:

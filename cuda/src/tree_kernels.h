@@ -68,6 +68,11 @@ kdt_status tree_build_cpu(const TreeBuildArgs& a);
 kdt_status tree_accept_cpu(const TreeAcceptArgs& a);
 #if defined(KDT_WITH_CUDA)
 kdt_status tree_build_cuda(const TreeBuildArgs& a, void* stream);
+// The three CUDA builds tree_build_cuda picks from (tree_build.cu). The parallel build sets
+// *launched to false, launching nothing, for a budget whose layout fits no shared memory.
+kdt_status tree_build_warp_cuda(const TreeBuildArgs& a, void* stream);
+kdt_status tree_build_parallel_cuda(const TreeBuildArgs& a, void* stream, bool* launched);
+kdt_status tree_build_serial_cuda(const TreeBuildArgs& a, void* stream);
 kdt_status tree_accept_cuda(const TreeAcceptArgs& a, void* stream);
 #endif
 

@@ -1,0 +1,352 @@
+// tree_build_gpu_block.cuh: the CTA as tree_build_parallel.h's build wants it (GpuBlock: its
+// phases' collectives on warp shuffles and barriers, the queue's batches, the profiling probes).
+// Included by tree_build_parallel.cu alone.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdio>
+
+#include <stdint.h>
+
+#include "tree_build_device.cuh"
+#include "tree_build_parallel.h"
+
+namespace kdt {
+namespace {
+
+// Lanes an entry in a queue batch of at most 32 / kSmallLanes entries (GpuBlock::expand).
+constexpr int kSmallLanes = 8;
+
+// The block as tree_build_parallel.h wants it: a phase runs on every thread, then a barrier;
+// an exclusive scan and a histogram suffix pick as collectives (warp shuffles, two barriers).
+struct GpuBlock {
+  int* wsum;  // [34] scratch of the collectives (shared memory)
+#if defined(KDT_PAR_PROFILE)
+  long long t0 = 0;
+  int nmark = 0;
+  long long* marks;  // [192] shared memory (a local array here would be zeroed per thread)
+  int* ids;          // [192]
+#endif
+  __device__ int threads() const { return blockDim.x; }
+  // chain[d + 1] = lp[0][0] + ... + lp[d][0] (chain[0] = 0; L <= 32: one lane per depth, a
+  // shuffle scan; they are used only once the float64 sums are known exact, so any order gives
+  // the same bits), and *fmin = min over d of ordered(chain[d] + lp[d][kc - 1]). Warp `warp`
+  // only (0 unless the caller picks one), no barrier: the caller's next phase ends with one
+  // before anything reads them.
+  __device__ void chain_sums(const float* lp, int L, int K, int kc, double* chain,
+                             unsigned long long* fmin, int warp = 0) {
+    const int t = threadIdx.x & 31;
+    if ((int)(threadIdx.x >> 5) == warp) {
+      const double v = t < L ? (double)lp[(size_t)t * K] : 0.0;
+      double x = v;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const double y = __shfl_up_sync(kFull, x, o);
+        if (t >= o) x += y;
+      }
+      if (t < L) chain[t + 1] = x;
+      if (t == 0) chain[0] = 0.0;
+      const unsigned long long u =
+          t < L ? tree::par::ordered((x - v) + (double)lp[(size_t)t * K + kc - 1]) : ~0ull;
+      const unsigned hi = __reduce_min_sync(kFull, (unsigned)(u >> 32));
+      const unsigned lo = __reduce_min_sync(kFull, (unsigned)(u >> 32) == hi ? (unsigned)u : ~0u);
+      if (t == 0) *fmin = ((unsigned long long)hi << 32) | lo;
+    }
+  }
+  // For q < m: lens[q] = len(q) and off[q] = lens[0] + ... + lens[q - 1]; returns the total.
+  // A chunk of T entries at a time: warp scans, the warps' totals through wsum, two barriers
+  // (the second makes off and lens visible and frees wsum).
+  template <class F>
+  __device__ int offsets(int m, int* off, uint16_t* lens, F len) {
+    const int t = threadIdx.x, lane = t & 31, w = t >> 5, nw = blockDim.x >> 5;
+    int base = 0;
+    for (int q0 = 0; q0 < m; q0 += blockDim.x) {
+      const int q = q0 + t;
+      const int n = q < m ? len(q) : 0;
+      const int incl = warp_inclusive(n, lane);
+      if (lane == 31) wsum[w] = incl;
+      __syncthreads();
+      int before = 0, all = 0;
+      for (int i = 0; i < nw; ++i) {
+        const int v = wsum[i];
+        before += i < w ? v : 0;
+        all += v;
+      }
+      if (q < m) {
+        off[q] = base + before + incl - n;
+        lens[q] = (uint16_t)n;
+      }
+      base += all;
+      __syncthreads();
+    }
+    return base;
+  }
+  // The queue (tree_build_parallel.h, section 1'): entries [1, n0) are written (the first runs;
+  // probe gives the chain nodes among them nothing to expand). Warp w of W takes the w-th of W
+  // equal shares of them as its first batch, then, batch by batch, the children it wrote itself:
+  // a batch's run lengths (probe(i, &u): the row of i's children and the least log-prob that
+  // keeps one, or nullptr; len(i): tree::par::probe_len), one atomic on *work (the entries
+  // allocated) for all its runs, placed contiguously there in batch order, and the children
+  // written, a child a lane (put(i, e, r) writes rank r of entry i into entry e, score and key,
+  // and returns its cand, stored here). No entry passes between warps, so no entry waits on a
+  // ready flag or a fence: a __syncwarp orders a batch's writes before the next batch reads
+  // them. A batch of at most 32 / kSmallLanes entries tests its ranks by ballots (below); one
+  // of at most 32 keeps its lengths and offsets in registers (a lane each; the children's runs
+  // found by a binary search over the lanes' offsets); a larger one writes its offsets to
+  // off[i] and searches them there. kc: the ranks a run may take (<= 64).
+  // Returns the entries allocated, or -1 when they would pass cap (the pool is then incomplete).
+  // *work must hold n0 (written before a barrier). Every thread calls it; it ends with a barrier.
+  // Profiling probes (thread 0: warp 0's batches, the share that holds the root's rank-0 child): 70
+  // after a batch's run lengths, 71 once its runs are placed, 72 once its children are written.
+  // (Dealing the root's run out a rank at a time instead, warp w taking ranks w, w + W, ..., so
+  // that the best ranks' subtrees go to different warps: H200, bench.tree_ab, kernel alone,
+  // 1.03-1.06x at budgets 33 to 63, bs 1 to 256 (bs 64, budget 63: 14.29 -> 15.11 us). The
+  // rank-0 subtree sets the queue's depth either way: on bench inputs the pool runs as deep as
+  // the tree it holds, 4.4 levels on average and at most 9 against the tree's 7, at bs 64. A
+  // narrow batch's offsets from seven bit-plane ballots and each child's run from a lane mask
+  // of the run starts, instead of the two five-shuffle chains below (3507b8f): 0.98-1.01x.
+  // Sharing a batch's entries past its first 32 with idle warps instead, 32 at a time through
+  // slots in shared memory that idle warps poll, with a count of the busy warps and the
+  // chunks not taken to end: 1.06-1.07x at bs 1 and 64, budgets 47 and 63, 0.98-0.99x at bs
+  // 16 and 1024. A wide batch no longer took 2.0k cycles, but the polling slowed every batch
+  // (a placement's atomic 335 -> 485 cycles, its run lengths 620 -> 730) and the end took
+  // ~0.85k cycles more; sleeping 32 ns between polls measured the same. Not kept. Taking the
+  // pool in chunks of at least 32 entries a warp, so that a batch whose runs fit in what is
+  // left of its warp's chunk takes no atomic (a chunk's unused entries made holes of score
+  // -inf, which no phase keeps): 1.01-1.07x at budgets 33-63, bs 1-1024. The placement did
+  // not get cheaper (its probe 344 -> 561-595 cycles at bs 64, budget 63) and the queue's end,
+  // marking the last holes, took ~400 cycles more. Not kept. Each child's run length counted
+  // by the lane that writes it, as it writes it, and carried in that lane into the next batch
+  // (the lane that takes that entry when the batch has at most 32): a later batch's run lengths
+  // took ~220 cycles against ~620, but its children ~1.1k against ~0.6k, the count now on the
+  // write's chain (profile, bs 64, budget 63, seed 5); H200, bench.tree_ab, seeds 15 and 5:
+  // 1.00-1.016x at budgets 33-63, bs 1-1024. Not kept. A look-ahead: each batch of at most 32
+  // entries also counting and writing the runs of its entries' rank-0 children (their scores
+  // known from the entries', so the counts do not wait on the writes), those children then not
+  // expanded again, so that a rank-0 chain advances two levels a batch. A replay of the queue
+  // in Python put the deepest warp's batches at 5 / 4 / 4 against 7 / 6 / 6 (bench inputs, bs
+  // 64, budget 63, seeds 15 / 5 / 7). It was bit-exact (the CUDA tree tests passed), but a
+  // batch's run lengths took 1.5-2.5k cycles against 0.75-1.2k and its children ~0.9k against
+  // ~0.65k (profile, bs 64, budget 63, seed 5: warp 0 ran 4 batches instead of 5); H200,
+  // bench.tree_ab, seeds 15 and 5: budget 63 1.02-1.13x at bs 1-1024, 47 1.06-1.19x, 33
+  // 0.98-1.14x. A narrow batch's counts from one redux.sync of per-entry bytes instead of the
+  // eight ballots (no look-ahead): 1.00-1.025x at budgets 33-63. Neither kept.)
+  template <class Probe, class Put>
+  __device__ int expand(unsigned* work, uint32_t* cand, int* off, int n0, int cap, int kc,
+                        Probe probe, Put put) {
+    auto len = [&](int i) { return tree::par::probe_len(probe, i, kc); };
+    const int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    const int share = (n0 - 1 + nw - 1) / nw;  // of the first runs, a warp's first batch
+    int lo = 1 + (threadIdx.x >> 5) * share, hi = min(n0, lo + share);  // the batch: [lo, hi)
+    while (lo < hi) {
+      const int m = hi - lo;
+      int total, base;
+      if (m <= 32 / kSmallLanes) {
+        // A narrow batch (the deepest subtree's are): kSmallLanes lanes an entry, lane `sub` of
+        // entry j testing ranks sub, sub + G, ... (kc <= 64). A rank's test is one ballot bit,
+        // the runs' lengths and offsets are population counts of the ballots, and the lane that
+        // passed a rank writes that child: no thread searches its run (count_at_least64: ~100
+        // instructions), no scan, no search for a child's run. H200, bench.tree_ab against the
+        // same kernel without this path, kernel alone, 3 rounds, seed 15 / seed 5: budget 63
+        // bs 64 0.959x / 0.954x, bs 4 0.985x / 0.998x, bs 16 0.984x, bs 1 0.999x / 0.978x, bs
+        // 256 0.996x / 0.975x, bs 1024 1.000x; budget 33 bs 64 0.916x / 0.987x, bs 1 0.964x;
+        // budget 47 bs 64 0.929x / 1.008x. Four lanes an entry (batches up to 8, sixteen ranks
+        // a lane), against the kernel before it: 1.01-1.07x at budget 63; sixteen (batches up
+        // to 2): 1.00-1.03x at bs 1-64, where eight took 0.98-0.985x.
+        constexpr int G = kSmallLanes, R = 64 / G;
+        static_assert(G >= 2 && R <= 32, "a lane's passes fit one word");
+        const int j = lane / G, sub = lane % G, i = lo + j;
+        float u = 0.0f;
+        const float* row = j < m ? probe(i, &u) : nullptr;
+        const unsigned below = (1u << (G * j)) - 1u;
+        unsigned mine = 0;  // bit k: this lane's rank sub + G k passed
+        int excl = 0, kend = 0;
+        total = 0;
+#pragma unroll
+        for (int k = 0; k < R; ++k) {
+          const int r = sub + G * k;
+          const bool p = row != nullptr && r < kc && row[r] >= u;
+          const unsigned b = __ballot_sync(kFull, p);
+          mine |= (unsigned)p << k;
+          excl += __popc(b & below);
+          total += __popc(b);
+          kend += b != 0u;  // runs are prefixes: the ballots that hold a pass come first
+        }
+        mark(70);
+        base = place(work, total, lane);
+        if (total == 0 || base + total > cap) break;
+        for (int k = 0; k < kend; ++k) {
+          const int r = sub + G * k, e = base + excl + r;
+          if ((mine >> k) & 1u) cand[e] = put(i, e, r);
+        }
+      } else if (m <= 32) {
+        const int i = lo + lane;
+        const int c = lane < m ? len(i) : 0;
+        mark(70);
+        const int incl = warp_inclusive(c, lane), excl = incl - c;
+        total = __shfl_sync(kFull, incl, 31);
+        base = place(work, total, lane);
+        if (total == 0 || base + total > cap) break;
+        for (int k0 = 0; k0 < total; k0 += 32) {
+          const int k = k0 + lane;
+          int q = 0;  // the last lane whose run starts at or before k
+#pragma unroll
+          for (int st = 16; st > 0; st >>= 1) {
+            const int x = __shfl_sync(kFull, excl, q + st);
+            if (x <= k) q += st;
+          }
+          const int qi = __shfl_sync(kFull, i, q), qx = __shfl_sync(kFull, excl, q);
+          if (k < total) cand[base + k] = put(qi, base + k, k - qx);
+        }
+      } else {
+        int run = 0;
+        for (int j0 = 0; j0 < m; j0 += 32) {
+          const int j = j0 + lane;
+          const int c = j < m ? len(lo + j) : 0;
+          const int incl = warp_inclusive(c, lane);
+          if (j < m) off[lo + j] = run + incl - c;
+          run += __shfl_sync(kFull, incl, 31);
+        }
+        mark(70);
+        total = run;
+        base = place(work, total, lane);
+        if (total == 0 || base + total > cap) break;
+        __syncwarp();  // the offsets are visible to every lane
+        for (int k = lane; k < total; k += 32) {
+          const int i = tree::par::last_pass(lo, hi, [&](int x) { return off[x] <= k; });
+          cand[base + k] = put(i, base + k, k - off[i]);
+        }
+      }
+      __syncwarp();  // the children are visible to every lane: the next batch
+      mark(72);
+      lo = base;
+      hi = base + total;
+    }
+    __syncthreads();
+    const int a = (int)*work;
+    return a > cap ? -1 : a;
+  }
+  // count_at_least64 for a run of the rank-0 chain, 0 when not live (every lane alike): a
+  // lane's ranks are lane and lane + 32 (kc <= 64), the count two ballots' population. (Each
+  // thread's own count_at_least64, as before, is ~100 instructions on the first runs' chain:
+  // H200, bench.tree_ab against the kernel before, in one run, the narrow batches alone took
+  // 1.01-1.02x at budget 63 and 0.95-0.99x at 33, with these counts too 0.96-0.99x and
+  // 0.92-0.95x.)
+  __device__ int count_run(bool live, const float* row, int kc, double s, double t) {
+    const int lane = threadIdx.x & 31;
+    const float u = tree::par::float_at_least(t - s);
+    const bool p0 = live && lane < kc && row[lane] >= u;
+    const bool p1 = live && lane + 32 < kc && row[lane + 32] >= u;
+    return __popc(__ballot_sync(kFull, p0)) + __popc(__ballot_sync(kFull, p1));
+  }
+  // The queue's allocation: a batch's `total` entries at the end of the pool, one atomic on
+  // *work by lane 0; returns the first (every lane). Probe 71 ends it.
+  __device__ int place(unsigned* work, int total, int lane) {
+    unsigned old = 0;
+    if (lane == 0 && total) old = atomicAdd(work, (unsigned)total);
+    const int base = (int)__shfl_sync(kFull, old, 0);
+    mark(71);
+    return base;
+  }
+  // Profiling probe (development builds with -DKDT_PAR_PROFILE): thread 0 of every block
+  // records the cycle counter; print_marks prints each block's intervals.
+  __device__ void mark(int id) {
+#if defined(KDT_PAR_PROFILE)
+    if (threadIdx.x == 0 && nmark < 192) {
+      marks[nmark] = clock64();
+      ids[nmark++] = id;
+    }
+#else
+    (void)id;
+#endif
+  }
+  __device__ void print_marks() {
+#if defined(KDT_PAR_PROFILE)
+    if (threadIdx.x == 0) {
+      long long prev = t0;
+      for (int i = 0; i < nmark; ++i) {
+        printf("PROF %d %d %lld\n", (int)blockIdx.x, ids[i], marks[i] - prev);
+        prev = marks[i];
+      }
+    }
+#endif
+  }
+  template <class F>
+  __device__ void run(F f) {
+    f((int)threadIdx.x);
+    __syncthreads();
+  }
+  __device__ static int warp_inclusive(int x, int lane) {
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(kFull, x, o);
+      if (lane >= o) x += y;
+    }
+    return x;
+  }
+  // Exclusive scan of a[0..m) in place (each thread a contiguous chunk); returns the total. The
+  // warps' totals go through wsum; each warp then sums those before it and all of them itself
+  // (two redux.sync), so the scan takes two barriers. (Warp 0 scanning the totals behind a
+  // barrier of its own, as before: H200, bench.tree_ab, kernel alone, seeds 15 and 5, every
+  // case of budgets 33-1023 and bs 1-1024 took 0.977-0.997x this way.)
+  __device__ int scan(int* a, int m) {
+    const int T = blockDim.x, t = threadIdx.x, lane = t & 31, w = t >> 5, nw = T >> 5;
+    const int per = (m + T - 1) / T;
+    const int a0 = min(m, t * per), a1 = min(m, a0 + per);
+    int s = 0;
+    for (int i = a0; i < a1; ++i) s += a[i];
+    const int x = warp_inclusive(s, lane);
+    if (lane == 31) wsum[w] = x;
+    __syncthreads();
+    const int v = lane < nw ? wsum[lane] : 0;
+    const int before = (int)__reduce_add_sync(kFull, (unsigned)(lane < w ? v : 0));
+    const int total = (int)__reduce_add_sync(kFull, (unsigned)v);
+    int run = before + x - s;
+    for (int i = a0; i < a1; ++i) { const int u = a[i]; a[i] = run; run += u; }
+    __syncthreads();  // a is visible to every thread, and wsum is free
+    return total;
+  }
+  // The largest j with hist[j] + ... + hist[nb - 1] >= need (that sum in *got), or -1. Warp 0,
+  // nb <= 32 * 8 bins of 8 per lane.
+  __device__ int suffix_pick(const int* hist, int nb, int need, int* got) {
+    const int t = threadIdx.x;
+    if (t < 32) {
+      constexpr int kPer = 8;
+      const int b0 = t * kPer;
+      int loc[kPer];
+      int s = 0;
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) { loc[k] = b0 + k < nb ? hist[b0 + k] : 0; s += loc[k]; }
+      // Sum over the lanes above this one.
+      int above = s;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_down_sync(kFull, above, o);
+        if (t + o < 32) above += y;
+      }
+      above -= s;
+      int j = -1, cnt = 0, run = above;
+#pragma unroll
+      for (int k = kPer - 1; k >= 0; --k) {
+        run += loc[k];
+        if (j < 0 && run >= need) { j = b0 + k; cnt = run; }
+      }
+      const unsigned m = __ballot_sync(kFull, j >= 0);
+      if (t == 0) { wsum[33] = -1; wsum[32] = 0; }
+      __syncwarp();
+      if (m) {
+        const int top = 31 - __clz((int)m);
+        if (t == top) { wsum[33] = j; wsum[32] = cnt; }
+      }
+    }
+    __syncthreads();
+    const int j = wsum[33];
+    *got = wsum[32];
+    __syncthreads();
+    return j;
+  }
+};
+
+}  // namespace
+}  // namespace kdt
