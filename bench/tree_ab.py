@@ -1,10 +1,10 @@
-"""Two builds of libkdtree side by side on the same requests: the tree build timed for each in one
-process, alternating A, B, A, B over rounds, so that a kernel change is measured against its base
-on identical inputs and under the same clocks (the suites draw fresh inputs every run, and a
-batch takes as long as its slowest request, so two runs compare poorly even at bs 64). Every
-case is first checked bit for bit against the reference, for both libraries.
+"""Two builds of libkdtree (or more) side by side on the same requests: the tree build timed for
+each in one process, alternating A, B, A, B over rounds, so that a kernel change is measured
+against its base on identical inputs and under the same clocks (the suites draw fresh inputs
+every run, and a batch takes as long as its slowest request, so two runs compare poorly even at
+bs 64). Every case is first checked bit for bit against the reference, for every library.
 
-    python3 -m bench.tree_ab build/base/libkdtree.so build/new/libkdtree.so
+    python3 -m bench.tree_ab build/base/libkdtree.so build/new/libkdtree.so [build/new2/...]
         [--device cuda|cpu] [--cases 64:1023,1:1023,64:255,64:63,1:63,64:15,1:15]
         [--rounds 2] [--seed 15 | --draw-from RUN] [--algo auto] [--timing alone|call]
         [--after-torch]
@@ -17,8 +17,10 @@ ours (as a torch drafter's top-k would be) and PDL's edge follows a kernel that 
 triggers; both figures of a case then include that kernel. --draw-from RUN takes each case's
 requests from a kernels-suite run folder instead (the seed its kernels.json records for that bs,
 budget and --device, drawn again as the suite draws them), so that both builds run on the requests
-behind that run's figures. Prints one line per case: both medians (the median over the rounds
-of each round's median) and B / A. Exits 1 on a wrong tree, 2 on a bad argument.
+behind that run's figures. Prints one line per case: each library's median (the median over the
+rounds of each round's median), then each later one's ratio to A (B / A, C / A, ...). Several
+changes against one base in one call time the base once a round, not once a comparison. Exits 1
+on a wrong tree, 2 on a bad argument.
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ def drawn_inputs(seed: int | list[int], bs: int, budget: int) -> dict:
 
 def compare(libs, device: str, cases, rounds: int, seed: int, algo: str, out=print,
             timing: str = "alone", after_torch: bool = False, seeds: dict | None = None) -> bool:
-    """Times every case for each library (rounds x (A, B)); prints a line per case; returns
+    """Times every case for each library (rounds x (A, B, ...)); prints a line per case; returns
     False when a library builds a wrong tree (that case is then not timed). seeds (run_seeds):
     each case's requests are a run's (drawn_inputs), else drawn from seed."""
     from bench.native_calls import prepare_tree_build
@@ -107,7 +109,11 @@ def compare(libs, device: str, cases, rounds: int, seed: int, algo: str, out=pri
     from engine.reference import ddtree
 
     ok = True
-    out(f"{'case':>16} {'A us':>9} {'B us':>9} {'B / A':>7}   (A {libs[0].path}, B {libs[1].path})")
+    names = [chr(ord("A") + i) for i in range(len(libs))]
+    head = "".join(f" {n + ' us':>9}" for n in names) + "".join(f" {n + ' / A':>7}"
+                                                               for n in names[1:])
+    which = ", ".join(f"{n} {lib.path}" for n, lib in zip(names, libs))
+    out(f"{'case':>16}{head}   ({which})")
     for bs, budget in cases:
         inp = _inputs(seed, bs, budget) if seeds is None else drawn_inputs(seeds[(bs, budget)],
                                                                            bs, budget)
@@ -116,7 +122,7 @@ def compare(libs, device: str, cases, rounds: int, seed: int, algo: str, out=pri
         with side_stream(device), tree_algo(algo):
             calls = [prepare_tree_build(lib, device, inp, budget) for lib in libs]
             bad = []
-            for name, p in zip("AB", calls):
+            for name, p in zip(names, calls):
                 p.run()
                 if device == "cuda":
                     import torch
@@ -135,7 +141,7 @@ def compare(libs, device: str, cases, rounds: int, seed: int, algo: str, out=pri
 
                 x = torch.zeros(1, device="cuda")
                 fns = [lambda run=run: (x.add_(1), run()) for run in fns]
-            medians = ([], [])
+            medians = tuple([] for _ in libs)
             for _ in range(rounds):
                 for m, fn in zip(medians, fns):
                     if device == "cpu":
@@ -145,8 +151,9 @@ def compare(libs, device: str, cases, rounds: int, seed: int, algo: str, out=pri
                     else:
                         samples = time_cuda_graph(fn)
                     m.append(summarize(samples)["median"])
-        a, b = (statistics.median(m) * 1e6 for m in medians)
-        out(f"{f'bs {bs} B {budget}':>16} {a:9.2f} {b:9.2f} {b / a:7.3f}")
+        t = [statistics.median(m) * 1e6 for m in medians]
+        out(f"{f'bs {bs} B {budget}':>16}" + "".join(f" {x:9.2f}" for x in t)
+            + "".join(f" {x / t[0]:7.3f}" for x in t[1:]))
     return ok
 
 
@@ -154,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m bench.tree_ab",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("lib_a", type=Path, help="the base build's libkdtree.so")
-    ap.add_argument("lib_b", type=Path, help="the changed build's libkdtree.so")
+    ap.add_argument("lib_b", type=Path, nargs="+",
+                    help="the changed builds' libkdtree.so (one or more, each against A)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--cases", default=DEFAULT_CASES, help="bs:budget,... (default %(default)s)")
     ap.add_argument("--rounds", type=int, default=2, help="A, B alternations (default 2)")
@@ -189,15 +197,18 @@ def main(argv: list[str] | None = None) -> int:
             have = ",".join(f"{bs}:{b}" for bs, b in sorted(seeds)) or "none"
             ap.error(f"--draw-from: {a.draw_from} has no {a.device} tree case {', '.join(missing)} "
                      f"(it has {have})")
-    for p in (a.lib_a, a.lib_b):
+    paths = [a.lib_a, *a.lib_b]
+    for p in paths:
         if not p.is_file():
             ap.error(f"no library at {p}")
     from engine.native._lib import load
 
-    libs = [load(a.lib_a.resolve()), load(a.lib_b.resolve())]
-    if libs[0].cdll._handle == libs[1].cdll._handle:
-        # the dynamic loader hands back the loaded copy for the same file: nothing to compare
-        ap.error(f"{a.lib_a} and {a.lib_b} are one library: give two different builds")
+    libs = [load(p.resolve()) for p in paths]
+    for i in range(len(libs)):
+        for j in range(i):
+            if libs[i].cdll._handle == libs[j].cdll._handle:
+                # the dynamic loader hands back the loaded copy for the same file
+                ap.error(f"{paths[j]} and {paths[i]} are one library: give different builds")
     if a.device == "cuda":
         for lib in libs:
             if not lib.has_cuda:

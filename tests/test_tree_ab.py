@@ -1,5 +1,5 @@
-"""bench/tree_ab.py: two builds of the library side by side on the same requests (on the CPU
-backend here; the CUDA run needs a GPU). No timed assertions: only that both libraries are
+"""bench/tree_ab.py: two builds of the library (or more) side by side on the same requests (on
+the CPU backend here; the CUDA run needs a GPU). No timed assertions: only that every library is
 validated and timed on every case, and that bad arguments and wrong trees are reported."""
 
 from __future__ import annotations
@@ -42,6 +42,23 @@ def test_times_both_libraries_on_every_case(two_libs, capsys):
         assert ta > 0 and tb > 0 and ratio == pytest.approx(tb / ta, rel=0.01, abs=1e-3)
 
 
+def test_several_changes_against_one_base(two_libs, tmp_path, capsys):
+    a, b = two_libs
+    c = tmp_path / "libkdtree.so"
+    shutil.copyfile(a, c)
+    rc = tree_ab.main([str(a), str(b), str(c), "--device", "cpu", "--cases", "1:15",
+                       "--rounds", "1"])
+    out = capsys.readouterr().out.splitlines()
+    assert rc == 0
+    assert out[0].split()[1:8] == ["A", "us", "B", "us", "C", "us", "B"]
+    assert f"C {c}" in out[0]
+    r = out[1].split()
+    ta, tb, tc, rb, rc_ = map(float, r[4:9])
+    assert min(ta, tb, tc) > 0
+    assert rb == pytest.approx(tb / ta, rel=0.01, abs=1e-3)
+    assert rc_ == pytest.approx(tc / ta, rel=0.01, abs=1e-3)
+
+
 def test_a_wrong_tree_fails_the_run_and_is_not_timed(two_libs, capsys, monkeypatch):
     import bench.validate
 
@@ -73,9 +90,10 @@ def test_bad_arguments_are_named(two_libs, capsys, args, says):
 
 
 def test_missing_and_identical_libraries_are_refused(two_libs, tmp_path, capsys):
-    a, _ = two_libs
+    a, b = two_libs
     for args, says in (([str(a), str(tmp_path / "nope.so")], "no library at"),
-                       ([str(a), str(a)], "are one library")):
+                       ([str(a), str(a)], "are one library"),
+                       ([str(a), str(b), str(b)], "are one library")):
         with pytest.raises(SystemExit) as e:
             tree_ab.main(args + ["--device", "cpu"])
         assert e.value.code == 2 and says in capsys.readouterr().err
