@@ -1,8 +1,8 @@
 // verify_attention_sm90a.cu: the Hopper (sm_90a) path of kdt_verify_attention: wgmma tensor
 // cores fed by a TMA load pipeline, for bf16 caches at the MLA shape (d_latent 512, d_rope 64,
-// any head count). Raw PTX (sm90a_ptx.cuh: wgmma.mma_async with shared-memory matrix
-// descriptors, mbarrier, cp.async.bulk.tensor), no CUTLASS: nothing to vendor onto a host
-// without internet, and a compile that stays short on small build machines.
+// any head count). Raw PTX (verify_attention_sm90a_ptx.cuh: wgmma.mma_async with shared-memory
+// matrix descriptors, mbarrier, cp.async.bulk.tensor), no CUTLASS: nothing to vendor onto a
+// host without internet, and a compile that stays short on small build machines.
 //
 // Work decomposition. Rows of request b are (node, head) pairs, row = node * H + head, so with
 // 64 heads one M tile of 64 rows is one tree node. Grid (M tiles, splits, bs): a CTA owns one
@@ -55,7 +55,7 @@
 
 #include "common.h"
 #include "kdtree/attention_state.cuh"
-#include "sm90a_ptx.cuh"
+#include "verify_attention_sm90a_ptx.cuh"
 #include "verify_attention.h"
 
 namespace kdt {
