@@ -33,7 +33,7 @@ from bench import format_table
 from bench.inputs import KIMI_K2, accept_target, attention_inputs, tree_inputs
 from bench.native_calls import (prepare_tree_accept, prepare_tree_build,
                                 prepare_verify_attention, to_numpy)
-from bench.timing import (device_warmup_s, settle, summarize, time_cpu, time_cuda,
+from bench.timing import (cpu_states, device_warmup_s, settle, summarize, time_cpu, time_cuda,
                           time_cuda_graph)
 from bench.tree_algo import ALGOS, side_stream, tree_algo
 from bench.validate import (ACCEPT_FIELDS, TREE_FIELDS, check_close, check_exact,
@@ -121,12 +121,13 @@ def _rate(value, unit, formula) -> dict:
     return {"value": value, "unit": unit, "formula": formula}
 
 
-def _tree_and_accept(lib, device, bs, budget, rng, seed, timer) -> list:
+def _tree_and_accept(lib, device, bs, budget, rng, seed, timer, states_s=0.1) -> list:
     """Build (validated, timed) with each algorithm, then accept on the built tree (validated,
     timed). On CUDA each is timed two ways: one call between events (`timer`, launch from
-    Python included) and the kernel alone (`kernel_alone`: a CUDA graph of N calls / N)."""
+    Python included) and the kernel alone (`kernel_alone`: a CUDA graph of N calls / N). On the
+    CPU the build's record also holds its two speeds (`cpu_states`, within states_s seconds)."""
     with side_stream(device):  # graph capture needs a stream other than the legacy default
-        return _tree_and_accept_on_stream(lib, device, bs, budget, rng, seed, timer)
+        return _tree_and_accept_on_stream(lib, device, bs, budget, rng, seed, timer, states_s)
 
 
 def _kernel_alone(device, fn) -> dict | None:
@@ -144,7 +145,7 @@ def tree_case_inputs(rng: np.random.Generator, bs: int, budget: int) -> dict:
     return tree_inputs(rng, bs, L, min(budget, 64))
 
 
-def _tree_and_accept_on_stream(lib, device, bs, budget, rng, seed, timer) -> list:
+def _tree_and_accept_on_stream(lib, device, bs, budget, rng, seed, timer, states_s) -> list:
     from engine.reference import ddtree
 
     K = min(budget, 64)
@@ -165,6 +166,7 @@ def _tree_and_accept_on_stream(lib, device, bs, budget, rng, seed, timer) -> lis
                 continue
             s = timer(p.run)
             alone = _kernel_alone(device, p.run)
+            states = cpu_states(p.run, budget_s=states_s) if device == "cpu" else None
         med = summarize(s)["median"]
         rec = _record("tree_build", device, case, v, s, {
             "nodes_per_s": _rate(bs * budget / med, "nodes/s", "bs * budget / median"),
@@ -172,6 +174,8 @@ def _tree_and_accept_on_stream(lib, device, bs, budget, rng, seed, timer) -> lis
         }, seed)
         if alone:
             rec["kernel_alone"] = alone
+        if states:
+            rec["cpu_states"] = states
         out.append(rec)
         prep = prep or p
     if prep is None:
@@ -519,7 +523,8 @@ def run(ctx) -> dict:
                 seed = int(root.spawn(1)[0].generate_state(1)[0])
                 rng = np.random.default_rng(seed)
                 results += _guarded(lambda: _tree_and_accept(lib, device, bs, budget, rng, seed,
-                                                             tree_timer),
+                                                             tree_timer,
+                                                             0.02 if ctx.quick else 0.1),
                                     "tree_build", device, {"bs": bs, "budget": budget}, seed)
                 done += 1
                 ctx.progress(done, n_cases, f"{device} tree bs={bs} budget={budget}")
@@ -573,6 +578,8 @@ def table(results) -> str:
             shape += f" {c['algo']}"
         if r.get("kernel_alone"):  # tree kernels on CUDA: the kernel alone beside the call
             shape += f" (alone {r['kernel_alone']['summary']['median'] * 1e6:.1f} us)"
+        if r.get("cpu_states"):  # tree builds on the CPU: the fast state beside the median
+            shape += f" (fast {r['cpu_states']['fast'] * 1e6:.1f} us)"
         rates = r.get("rates", {})
         if r["bench"] == "verify_attention" and rates:
             k = rates.get("kernel_s", {}).get("value")

@@ -17,6 +17,11 @@ of the kernels suite on the H200 were timed at idle clocks (runs of 2026-12-01: 
 
 Every helper returns the raw samples; `summarize` turns them into the figures the JSON keeps
 beside them (median, min, p10, p90, mean, n).
+
+`cpu_states`: a CPU call's two speeds. On the machines we measure, the same call toggles between
+two speeds ~1.8x apart in stretches of hundreds of calls (docs/BENCHMARKS.md), so a sample of a
+few hundred calls lands in one state or the other by chance; runs of calls back to back, each
+run's median kept, show both, and the least of those medians is the fast state's figure.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["summarize", "time_cpu", "time_cuda", "time_cuda_graph", "l2_flush_bytes",
+__all__ = ["summarize", "time_cpu", "cpu_states", "time_cuda", "time_cuda_graph", "l2_flush_bytes",
            "DEVICE_WARMUP_S", "device_warmup_s", "settle", "SETTLE_S"]
 
 DEVICE_WARMUP_S = 1.0  # seconds of untimed device work before the process's first CUDA sample
@@ -128,6 +133,25 @@ def time_cpu(fn: Callable[[], object], warmup: int = 2, reps: int = 10,
         if budget_s is not None and total >= budget_s and len(samples) >= min_reps:
             break
     return samples
+
+
+def cpu_states(fn: Callable[[], object], runs: int = 100, calls: int = 50,
+               budget_s: float = 0.1) -> dict:
+    """`runs` runs of `calls` calls of `fn()` back to back (the monotonic clock around each call),
+    stopping after the run that brings the timed total past `budget_s` (at least one run):
+    {"fast": the least run median, "slow": the greatest, "calls": calls, "medians": each run's
+    median} in seconds."""
+    _check_counts("cpu_states", 0, runs)
+    _check_counts("cpu_states", 0, calls)
+    medians: list[float] = []
+    total = 0.0
+    for _ in range(runs):
+        s = time_cpu(fn, warmup=0, reps=calls)
+        medians.append(float(np.median(s)))
+        total += sum(s)
+        if total >= budget_s:
+            break
+    return {"fast": min(medians), "slow": max(medians), "calls": calls, "medians": medians}
 
 
 def l2_flush_bytes(device=None) -> int:

@@ -26,7 +26,8 @@ import numpy as np
 from bench import format_table
 from bench.inputs import tree_inputs
 from bench.native_calls import prepare_tree_build
-from bench.timing import device_warmup_s, summarize, time_cpu, time_cuda, time_cuda_graph
+from bench.timing import (cpu_states, device_warmup_s, summarize, time_cpu, time_cuda,
+                          time_cuda_graph)
 from bench.tree_algo import ALGOS, side_stream, tree_algo
 from bench.validate import TREE_FIELDS, check_exact, sample_requests
 
@@ -144,7 +145,9 @@ def _native(lib, dev, name, inp, budget, ref, rows, bs, case, seed, quick) -> di
                                "timing": "20 calls in one CUDA graph, replayed, / 20"}
         return rec
     s = time_cpu(prep.run, warmup=2, reps=200, budget_s=0.1 if quick else 0.5)
-    return _rec(name, case, v, s, seed, "monotonic clock around the bare CPU-backend call")
+    rec = _rec(name, case, v, s, seed, "monotonic clock around the bare CPU-backend call")
+    rec["cpu_states"] = cpu_states(prep.run, budget_s=0.02 if quick else 0.1)
+    return rec
 
 
 def _case(lib, devices, bs, budget, seed, quick) -> list:
@@ -231,11 +234,12 @@ def table(results) -> str:
     for r in results:
         c, s = r["case"], r.get("summary")
         sp = r.get("rates", {}).get("speedup_vs_sglang")
-        ka = r.get("kernel_alone")
+        ka, st = r.get("kernel_alone"), r.get("cpu_states")
         rows.append([r["backend"], c["bs"], c["budget"], s["median"] * 1e6 if s else None,
                      ka["summary"]["median"] * 1e6 if ka else None,
+                     st["fast"] * 1e6 if st else None,
                      s["p10"] * 1e6 if s else None, s["p90"] * 1e6 if s else None,
                      f"{sp['value']:.1f}x" if sp else "-",
                      "ok" if r["validation"].get("ok") else "INVALID: " + r["validation"].get("error", "")[:60]])
-    return format_table(["backend", "bs", "budget", "median us", "alone us", "p10 us", "p90 us",
-                         "vs sglang", "check"], rows)
+    return format_table(["backend", "bs", "budget", "median us", "alone us", "cpu fast us",
+                         "p10 us", "p90 us", "vs sglang", "check"], rows)

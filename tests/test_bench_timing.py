@@ -68,6 +68,32 @@ def test_time_cpu_budget_stops_early_but_keeps_min_reps(monkeypatch):
     assert len(s) == 3
 
 
+def test_cpu_states_gives_each_runs_median_and_the_least(monkeypatch):
+    # A fake clock: calls take 3 s, except those of the second run of four, which take 5 s (a
+    # slow stretch, as the host's state gives).
+    durations = iter([3, 3, 3, 3, 5, 5, 3, 5, 3, 3, 3, 3])
+    clock = {"t": 0.0, "open": False}
+
+    def perf_counter():
+        if clock["open"]:
+            clock["t"] += next(durations)
+        clock["open"] = not clock["open"]
+        return clock["t"]
+
+    monkeypatch.setattr(timing.time, "perf_counter", perf_counter)
+    st = timing.cpu_states(lambda: None, runs=3, calls=4, budget_s=1e9)
+    assert st == {"fast": 3.0, "slow": 5.0, "calls": 4, "medians": [3.0, 5.0, 3.0]}
+
+
+def test_cpu_states_stops_at_the_budget_after_a_whole_run(monkeypatch):
+    t = iter(range(10_000))
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: float(next(t)))  # 1 s a call
+    st = timing.cpu_states(lambda: None, runs=40, calls=3, budget_s=5.0)
+    assert st["medians"] == [1.0, 1.0]  # 3 s, then 6 s: past the budget after the second run
+    with pytest.raises(ValueError, match="cpu_states"):
+        timing.cpu_states(lambda: None, runs=0)
+
+
 @pytest.mark.parametrize("warmup,reps", [(-1, 3), (0, 0)])
 def test_time_cpu_rejects_bad_counts(warmup, reps):
     with pytest.raises(ValueError, match="time_cpu"):

@@ -127,7 +127,21 @@ def test_cpu_vs_the_cuda_kernel_alone(rng):
         x = t / med[("native-cpu", *c)]
         if x > 1:
             assert f"bs {c[0]} B {c[1]} ({x:.1f}x)" in lines[0]
-    # without kernel-alone times the line is left out
+    # the CPU's fast state, where its records hold one: a third line, judged against it
+    assert not [ln for ln in rm.meaning(view) if "at its fast state" in ln]
+    fast = {}
+    for r in recs:
+        if r["backend"] == "native-cpu":
+            key = (r["case"]["bs"], r["case"]["budget"])
+            fast[key] = 0.5 * r["summary"]["median"]
+            r["cpu_states"] = {"fast": fast[key], "slow": r["summary"]["median"], "calls": 50,
+                               "medians": [fast[key], r["summary"]["median"]]}
+    lines = [ln for ln in rm.meaning(view) if "at its fast state" in ln]
+    assert len(lines) == 1
+    n_fast = sum(alone[c] > fast[c] for c in alone)
+    assert (f"**the CPU backend is faster at {n_fast}**" if n_fast
+            else "the CPU backend is faster at none") in lines[0]
+    # without kernel-alone times the lines are left out
     for r in recs:
         r.pop("kernel_alone", None)
     assert not [ln for ln in rm.meaning(view) if ln.startswith("- The CUDA kernel alone")]

@@ -115,6 +115,25 @@ def test_run_names_each_missed_goal_and_the_cells_behind_it(tmp_path, capsys):
     assert "PASS build bs 64 budget 1023 <= 60 us" in out
 
 
+def test_the_cpu_is_judged_at_its_fast_state_where_the_record_has_one(tmp_path, capsys):
+    # bs 1, budget 15: the CPU's median (8.30 us, the slow state) is slower than CUDA's 4.15 us,
+    # but its fast state (3.10 us) is faster: the goal is judged against the fast state.
+    gpu, cpu = _met()
+    cpu[(1, 15)] = 8.3
+    run = _suite_files(tmp_path, gpu, cpu)
+    for name, backend in (("kernels", "cpu"), ("tree_build", "native-cpu")):
+        f = run / f"{name}.json"
+        doc = json.loads(f.read_text())
+        for r in doc["results"]:
+            if r["backend"] == backend and (r["case"]["bs"], r["case"]["budget"]) == (1, 15):
+                r["cpu_states"] = {"fast": 3.1e-6, "slow": 8.4e-6, "calls": 50,
+                                   "medians": [3.1e-6, 8.4e-6]}
+        f.write_text(json.dumps(doc))
+    assert tree_goals.main(["--run", str(run)]) == 1
+    out = capsys.readouterr().out
+    assert out.count("CPU faster at 1 of 8; bs 1 budget 15: 3.10 vs 4.15 us") == 2
+
+
 def test_run_without_a_goal_case_fails_it_as_missing(tmp_path, capsys):
     gpu, cpu = _met()
     del gpu[(64, 1023)]

@@ -82,6 +82,12 @@ def kernel_alone(recs, backend, bs, budget):
     return ((r.get("kernel_alone") or {}).get("summary") or {}).get("median")
 
 
+def cpu_fast(recs, backend, bs, budget):
+    """The CPU call's fast state (bench/timing.py's `cpu_states`) of a case, or None."""
+    r = _record(recs, backend, bs, budget) or {}
+    return (r.get("cpu_states") or {}).get("fast")
+
+
 def native_backend(recs) -> str | None:
     names = {r["backend"] for r in recs}
     return next((b for b in ("native-cuda", "native-cpu") if b in names), None)
@@ -199,12 +205,17 @@ def _tree_lines(view) -> list:
     if len(natives) == 2:
         cases = sorted({(r["case"]["bs"], r["case"]["budget"]) for r in recs})
         cpu = {c: median(recs, "native-cpu", *c) for c in cases}
-        for what, cuda in (
+        fast = {c: cpu_fast(recs, "native-cpu", *c) for c in cases}
+        alone = {c: kernel_alone(recs, "native-cuda", *c) for c in cases}
+        for what, cuda, host in (
                 ("One call of the CUDA kernel (CUDA events around it) vs the native CPU backend's call",
-                 {c: median(recs, "native-cuda", *c) for c in cases}),
+                 {c: median(recs, "native-cuda", *c) for c in cases}, cpu),
                 ("The CUDA kernel alone (a CUDA graph of calls, replayed, per call) vs the native CPU "
-                 "backend's call", {c: kernel_alone(recs, "native-cuda", *c) for c in cases})):
-            line = _cpu_vs_cuda(what, cuda, cpu)
+                 "backend's call", alone, cpu),
+                ("The CUDA kernel alone vs the native CPU backend's call at its fast state (the least "
+                 "median of runs of calls back to back: the host toggles the call between two speeds)",
+                 alone, fast)):
+            line = _cpu_vs_cuda(what, cuda, host)
             if line:
                 out.append(line)
     return out
