@@ -32,8 +32,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["summarize", "time_cpu", "cpu_states", "time_cuda", "time_cuda_graph", "l2_flush_bytes",
-           "DEVICE_WARMUP_S", "device_warmup_s", "settle", "SETTLE_S"]
+__all__ = ["summarize", "time_cpu", "cpu_states", "time_cuda", "time_cuda_graph",
+           "l2_flush_bytes", "DEVICE_WARMUP_S", "device_warmup_s", "settle", "SETTLE_S"]
 
 DEVICE_WARMUP_S = 1.0  # seconds of untimed device work before the process's first CUDA sample
 SETTLE_S = 1.0  # seconds of light device work after a heavy measurement (settle)
