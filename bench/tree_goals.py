@@ -10,8 +10,8 @@ KDT_TREE_ACCEPT parallel (the CUDA default, judged) and walk.
 With --run DIR it judges the same goals on a fetched benchmark run instead (no GPU, no torch):
 each of the run's kernels.json and tree_build.json on its own, from the kernel-alone medians of
 the default build (auto) and the CPU backend's calls, over every bs and budget the suite has.
-The CPU figure is its fast state where the record has one (`cpu_states`: the least median of runs
-of calls back to back; bench/timing.py), else its median: the host toggles the CPU call between
+The CPU figure is its fast state where the record has one (`cpu_states`: the median of the runs
+of calls back to back that are within 1.25x of the fastest; bench/timing.py), else its median: the host toggles the CPU call between
 two speeds ~1.8x apart, and the goal "CUDA faster" is judged against the faster.
 
     python3 -m bench.tree_goals --run results/h200/<run>

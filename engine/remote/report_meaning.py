@@ -212,8 +212,8 @@ def _tree_lines(view) -> list:
                  {c: median(recs, "native-cuda", *c) for c in cases}, cpu),
                 ("The CUDA kernel alone (a CUDA graph of calls, replayed, per call) vs the native CPU "
                  "backend's call", alone, cpu),
-                ("The CUDA kernel alone vs the native CPU backend's call at its fast state (the least "
-                 "median of runs of calls back to back: the host toggles the call between two speeds)",
+                ("The CUDA kernel alone vs the native CPU backend's call at its fast state (the runs of "
+                 "calls back to back near the fastest: the host toggles the call between two speeds)",
                  alone, fast)):
             line = _cpu_vs_cuda(what, cuda, host)
             if line:
