@@ -1,8 +1,9 @@
 """Two builds of libkdtree (or more) side by side on the same requests: the tree build timed for
-each in one process, alternating A, B, A, B over rounds, so that a kernel change is measured
-against its base on identical inputs and under the same clocks (the suites draw fresh inputs
-every run, and a batch takes as long as its slowest request, so two runs compare poorly even at
-bs 64). Every case is first checked bit for bit against the reference, for every library.
+each in one process, in rounds (A, B, then B, A: each library leads a round in turn), so that a
+kernel change is measured against its base on identical inputs and under the same clocks (the
+suites draw fresh inputs every run, and a batch takes as long as its slowest request, so two
+runs compare poorly even at bs 64). Every case is first checked bit for bit against the
+reference, for every library.
 
     python3 -m bench.tree_ab build/base/libkdtree.so build/new/libkdtree.so [build/new2/...]
         [--device cuda|cpu] [--cases 64:1023,1:1023,64:255,64:63,1:63,64:15,1:15]
@@ -99,7 +100,7 @@ def drawn_inputs(seed: int | list[int], bs: int, budget: int) -> dict:
 
 def compare(libs, device: str, cases, rounds: int, seed: int, algo: str, out=print,
             timing: str = "alone", after_torch: bool = False, seeds: dict | None = None) -> bool:
-    """Times every case for each library (rounds x (A, B, ...)); prints a line per case; returns
+    """Times every case for each library (rounds of A, B, ..., rotated); prints a line per case; returns
     False when a library builds a wrong tree (that case is then not timed). seeds (run_seeds):
     each case's requests are a run's (drawn_inputs), else drawn from seed."""
     from bench.native_calls import prepare_tree_build
@@ -142,8 +143,13 @@ def compare(libs, device: str, cases, rounds: int, seed: int, algo: str, out=pri
                 x = torch.zeros(1, device="cuda")
                 fns = [lambda run=run: (x.add_(1), run()) for run in fns]
             medians = tuple([] for _ in libs)
-            for _ in range(rounds):
-                for m, fn in zip(medians, fns):
+            n = len(libs)
+            for r in range(rounds):
+                # Round r starts with library r mod n: the first timed in a round can measure
+                # differently (H200, budgets 1-7: two libraries of identical SASS 0.955x when one
+                # always went first), so each takes the lead in turn.
+                for j in range(n):
+                    m, fn = medians[(r + j) % n], fns[(r + j) % n]
                     if device == "cpu":
                         samples = time_cpu(fn, reps=20)
                     elif timing == "call":
@@ -165,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the changed builds' libkdtree.so (one or more, each against A)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--cases", default=DEFAULT_CASES, help="bs:budget,... (default %(default)s)")
-    ap.add_argument("--rounds", type=int, default=2, help="A, B alternations (default 2)")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds, each timing every library once (default 2)")
     ap.add_argument("--seed", type=int, default=None, help="the requests' seed (default 15)")
     ap.add_argument("--draw-from", type=Path, metavar="RUN",
                     help="a kernels-suite run folder: each case's requests are the run's")

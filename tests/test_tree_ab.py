@@ -59,6 +59,36 @@ def test_several_changes_against_one_base(two_libs, tmp_path, capsys):
     assert rc_ == pytest.approx(tc / ta, rel=0.01, abs=1e-3)
 
 
+def test_each_library_leads_a_round_in_turn(two_libs, tmp_path, capsys, monkeypatch):
+    """The first timed in a round can measure differently, so the lead rotates: rounds of A B C,
+    B C A, C A B (the timer sees which library each call runs)."""
+    import bench.native_calls
+    import bench.timing
+
+    a, b = two_libs
+    c = tmp_path / "libkdtree.so"
+    shutil.copyfile(a, c)
+    whose, order = {}, []
+    real_prepare, real_time = bench.native_calls.prepare_tree_build, bench.timing.time_cpu
+
+    def prepare(lib, *args):
+        p = real_prepare(lib, *args)
+        whose[p.run] = lib.path
+        return p
+
+    def time_cpu(fn, reps):
+        order.append(whose[fn])
+        return real_time(fn, reps=reps)
+
+    monkeypatch.setattr(bench.native_calls, "prepare_tree_build", prepare)
+    monkeypatch.setattr(bench.timing, "time_cpu", time_cpu)
+    rc = tree_ab.main([str(a), str(b), str(c), "--device", "cpu", "--cases", "1:3",
+                       "--rounds", "4"])
+    assert rc == 0, capsys.readouterr().out
+    A, B, C = (str(x) for x in (a, b, c))
+    assert [str(p) for p in order] == [A, B, C, B, C, A, C, A, B, A, B, C]
+
+
 def test_a_wrong_tree_fails_the_run_and_is_not_timed(two_libs, capsys, monkeypatch):
     import bench.validate
 
