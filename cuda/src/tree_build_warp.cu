@@ -1,6 +1,7 @@
 // tree_build_warp.cu: the one-warp CUDA tree build (KDT_TREE_BUILD=warp, and auto up to
-// tree::wrp::kAutoMaxBudget): tree_build_warp.h on a warp per request (one CTA of one warp per
-// request up to bs 512, up to four warps per CTA beyond); no block barrier; the frontier in
+// tree::wrp::kAutoMaxBudget): tree_build_warp.h on a warp per request (one CTA per request up to
+// bs 512, up to four requests per CTA beyond; up to bs 256 at budgets <= 31 the CTA has three
+// more warps that help stage the inputs, then leave); no barrier during the build; the frontier in
 // registers (S = 16 and 32 slots per lane for budgets 256..1023: 151 and 253 registers on
 // sm_90). Budget 1024 runs the parallel build.
 #include <cuda_runtime.h>
@@ -58,23 +59,24 @@ __host__ __device__ size_t warp_smem_per(int budget, int L, int K) {
   return (16 * n + 16 + masks + warp_stage_bytes(L, K) + warp_ids_bytes(L, K) + 7) / 8 * 8;
 }
 
-// Copies src[0, count) (global) to dst (shared; float, or double: converted) with one warp:
-// 16-byte loads from src's first 16-byte boundary on (a scalar head and tail around them), all
-// of a lane's loads in flight before its first store, so that up to 1024 floats arrive in one
+// Copies src[0, count) (global) to dst (shared; float, or double: converted) with nt threads (a
+// warp, or the whole CTA: thread `lane` of nt; the head and tail go to the first warp): 16-byte
+// loads from src's first 16-byte boundary on (a scalar head and tail around them), all
+// of a lane's loads in flight before its first store, so that up to 32 nt floats arrive in one
 // round trip (the head and tail loaded with the first 1024; a store that waits on its load
 // before the next load issues costs a round trip of its own).
 template <class T>
-__device__ void warp_stage(T* dst, const float* src, int count, int lane) {
+__device__ void warp_stage(T* dst, const float* src, int count, int lane, int nt) {
   const int head = min(count, (int)(((16 - (reinterpret_cast<uintptr_t>(src) & 15)) & 15) >> 2));
   const int nv = (count - head) >> 2;
   const int tail = head + 4 * nv;
   const bool in_head = lane < head, in_tail = lane < count - tail;
   const float4* v = reinterpret_cast<const float4*>(src + head);
-  for (int i0 = 0; i0 < nv || i0 == 0; i0 += 8 * 32) {
+  for (int i0 = 0; i0 < nv || i0 == 0; i0 += 8 * nt) {
     float4 r[8];
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
-      const int i = i0 + 32 * k + lane;
+      const int i = i0 + nt * k + lane;
       if (i < nv) r[k] = __ldg(v + i);
     }
     // The scalars after the vectors: their conversion waits for them, and the vectors' loads
@@ -89,7 +91,7 @@ __device__ void warp_stage(T* dst, const float* src, int count, int lane) {
     __syncwarp();
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
-      const int i = i0 + 32 * k + lane;
+      const int i = i0 + nt * k + lane;
       if (i < nv) {
         T* d = dst + head + 4 * i;
         d[0] = r[k].x;
@@ -137,7 +139,7 @@ __device__ __forceinline__ void warp_write_outputs(const TreeBuildArgs& a, int b
 // template argument so that the pops read them with shared loads (see
 // tree_build_parallel_kernel).
 template <int S, bool kStaged>
-__global__ void __launch_bounds__(128) tree_build_warp_kernel(TreeBuildArgs a) {
+__global__ void __launch_bounds__(128) tree_build_warp_kernel(TreeBuildArgs a, int help) {
 #if defined(KDT_PAR_PROFILE)
   // Development probes (bench/tree_profile.py --algo warp): lane 0 of each warp prints its
   // request's cycles waiting to start (60), in the prologue (61), the pops (62) and the
@@ -150,12 +152,15 @@ __global__ void __launch_bounds__(128) tree_build_warp_kernel(TreeBuildArgs a) {
   wt[1] = clock64();
 #endif
   extern __shared__ double smem[];
-  const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-  const int b = blockIdx.x * warps + (threadIdx.x >> 5);
-  if (b >= a.bs) return;  // whole warps leave; no block barrier follows
+  // help > 1: one request a CTA of `help` warps, which all stage its inputs (kWarpHelp below);
+  // then warp 0 builds alone. Else a request a warp.
+  const int lane = threadIdx.x & 31;
+  const int wr = help > 1 ? 0 : (int)(threadIdx.x >> 5);  // the request's warp slot in the CTA
+  const int b = help > 1 ? (int)blockIdx.x : (int)(blockIdx.x * (blockDim.x >> 5)) + wr;
+  if (b >= a.bs) return;  // whole warps (help > 1: the CTA) leave
+  const int t = help > 1 ? (int)threadIdx.x : lane, nt = help > 1 ? (int)blockDim.x : 32;
   const int n = a.budget + 1, W = (n + 31) / 32;
-  char* base = reinterpret_cast<char*>(smem) +
-               (size_t)(threadIdx.x >> 5) * warp_smem_per(a.budget, a.L, a.K);
+  char* base = reinterpret_cast<char*>(smem) + (size_t)wr * warp_smem_per(a.budget, a.L, a.K);
   double* node_score = reinterpret_cast<double*>(base);
   int64_t* meta = reinterpret_cast<int64_t*>(node_score + n);  // root id, seq_len
   uint64_t* rows = reinterpret_cast<uint64_t*>(meta + 2);
@@ -189,18 +194,23 @@ __global__ void __launch_bounds__(128) tree_build_warp_kernel(TreeBuildArgs a) {
   // converted by the pops: prologue 1.55k, pops 6.0k, 1.05-1.28x (budget 1 0.85-0.87x); only the
   // columns a build can read staged, ranks 0 .. min(K - 1, budget) (a quarter of them at budget
   // 15, K = 64), token ids likewise: the prologue did not shrink (2.9k cycles), 1.02-1.08x.)
-  const int64_t m = lane < 2 ? __ldg(lane == 0 ? a.root_ids + b : a.seq_lens + b) : 0;
+  const int64_t m = t < 2 ? __ldg(t == 0 ? a.root_ids + b : a.seq_lens + b) : 0;
   double* staged = kStaged ? reinterpret_cast<double*>(ns + n) : nullptr;
   int64_t* sids = warp_ids_bytes(a.L, a.K)
                       ? reinterpret_cast<int64_t*>(reinterpret_cast<char*>(ns + n) +
                                                    warp_stage_bytes(a.L, a.K))
                       : nullptr;
-  if (sids) ids_copy_async(sids, ids, (int)lk, lane, 32);
-  else warp_prefetch_l1(ids, lk * sizeof(int64_t), lane);
-  if (kStaged) warp_stage(staged, lp, (int)lk, lane);
-  if (lane < 2) meta[lane] = m;
+  if (sids) ids_copy_async(sids, ids, (int)lk, t, nt);
+  else if (t < 32) warp_prefetch_l1(ids, lk * sizeof(int64_t), lane);
+  if (kStaged) warp_stage(staged, lp, (int)lk, t, nt);
+  if (t < 2) meta[t] = m;
   if (sids) ids_wait();
-  __syncwarp();
+  if (help > 1) {
+    __syncthreads();
+    if (t >= 32) return;  // the helpers only stage
+  } else {
+    __syncwarp();
+  }
 #if defined(KDT_PAR_PROFILE)
   wt[2] = clock64();
 #endif
@@ -235,12 +245,35 @@ __global__ void __launch_bounds__(128) tree_build_warp_kernel(TreeBuildArgs a) {
 }
 
 template <int S>
-void launch_warp(const TreeBuildArgs& a, int grid, int threads, size_t smem, cudaStream_t st) {
+void launch_warp(const TreeBuildArgs& a, int grid, int threads, int help, size_t smem,
+                 cudaStream_t st) {
   if (warp_stage_bytes(a.L, a.K))
-    launch_pdl(tree_build_warp_kernel<S, true>, grid, threads, smem, st, a);
+    launch_pdl(tree_build_warp_kernel<S, true>, grid, threads, smem, st, a, help);
   else
-    launch_pdl(tree_build_warp_kernel<S, false>, grid, threads, smem, st, a);
+    launch_pdl(tree_build_warp_kernel<S, false>, grid, threads, smem, st, a, help);
 }
+
+// Helper warps: up to bs kWarpHelpMaxBs and budget kWarpHelpMaxBudget, a request's CTA has
+// kWarpHelp warps; all of them issue the prologue's loads and stage the log-probs and token ids
+// (the prologue is mostly its instructions, ~390 a lane on one warp, not the round trip: see
+// above), meet at one barrier, and all but warp 0 leave: the pops and the outputs stay one warp's,
+// with no barrier. The warp count is a kernel argument, not a template one, so the helped and
+// unhelped launches run one kernel whose pops compile once. As a template argument (a kernel per
+// warp count), the helped kernel's pop loop came out of ptxas scheduled differently (a diff of its
+// ~1000 instructions against the one-warp kernel's, registers aside: 849 lines, against 233
+// here), and it measured 1.02-1.03x at budget 31 where this measures 0.98-0.99x; with the helpers staying on to the outputs,
+// its pops took 5.86k cycles against 5.07k (KDT_PAR_PROFILE, bs 1, budget 15).
+// H200, bench.tree_ab against the one-warp CTA, kernel alone, 4 rounds (each library leading
+// one), seeds 15 and 5 (2026-12-04): budgets 1-7 at bs 1 0.90-0.92x, budget 15 at bs 1-64
+// 0.94-0.96x, budget 31 at bs 1-64 0.98-0.99x; bs 256 0.98x (15) and 1.00x (31); bs 512 0.98x
+// and bs 1024 0.955x (unhelped: the same kernel with help 1). Profile, bs 1, budget 15: prologue
+// 2.60k -> 1.75k cycles, pops 5.07k -> 4.93k, outputs 1.06k -> 0.98k. Helpers at bs 512 (four
+// CTAs an SM, so the helpers take issue slots from other requests' pops): 1.10-1.12x; helpers
+// that stayed to split the outputs by part (a barrier after the pops; template kernels): 1.04x at
+// 15, 1.14-1.16x at 31, and two warps a request slower than four.
+constexpr int kWarpHelp = 4;
+constexpr int kWarpHelpMaxBs = 256;
+constexpr int kWarpHelpMaxBudget = 31;
 
 }  // namespace
 
@@ -255,13 +288,15 @@ kdt_status tree_build_warp_cuda(const TreeBuildArgs& a, void* stream) {
   while (R > 1 && (size_t)R * per > 48 * 1024) --R;
   const int grid = (a.bs + R - 1) / R;
   const size_t smem = (size_t)R * per;
+  const int help = R == 1 && a.bs <= kWarpHelpMaxBs && a.budget <= kWarpHelpMaxBudget ? kWarpHelp : 1;
+  const int threads = 32 * (help > 1 ? help : R);
   switch (tree::wrp::slots_for(a.budget)) {
-    case 1: launch_warp<1>(a, grid, 32 * R, smem, st); break;
-    case 2: launch_warp<2>(a, grid, 32 * R, smem, st); break;
-    case 4: launch_warp<4>(a, grid, 32 * R, smem, st); break;
-    case 8: launch_warp<8>(a, grid, 32 * R, smem, st); break;
-    case 16: launch_warp<16>(a, grid, 32 * R, smem, st); break;
-    default: launch_warp<32>(a, grid, 32 * R, smem, st); break;
+    case 1: launch_warp<1>(a, grid, threads, help, smem, st); break;
+    case 2: launch_warp<2>(a, grid, threads, help, smem, st); break;
+    case 4: launch_warp<4>(a, grid, threads, help, smem, st); break;
+    case 8: launch_warp<8>(a, grid, threads, help, smem, st); break;
+    case 16: launch_warp<16>(a, grid, threads, help, smem, st); break;
+    default: launch_warp<32>(a, grid, threads, help, smem, st); break;
   }
   KDT_CUDA_CHECK(cudaGetLastError(), fn);
   return KDT_OK;
