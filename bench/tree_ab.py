@@ -3,7 +3,10 @@ each in one process, in rounds (A, B, then B, A: each library leads a round in t
 kernel change is measured against its base on identical inputs and under the same clocks (the
 suites draw fresh inputs every run, and a batch takes as long as its slowest request, so two
 runs compare poorly even at bs 64). Every case is first checked bit for bit against the
-reference, for every library.
+reference, for every library. Resolution: two libraries whose build kernel has the same SASS
+(the rest of the library changed) measured 0.955-0.965x at bs 1, budget 1 and 1.01x at budget 15
+on the H200, in both seeds, whichever led the rounds: a library's own offset of a few percent
+for kernels of 2-5 us, so that a change there needs more than that, and a control beside it.
 
     python3 -m bench.tree_ab build/base/libkdtree.so build/new/libkdtree.so [build/new2/...]
         [--device cuda|cpu] [--cases 64:1023,1:1023,64:255,64:63,1:63,64:15,1:15]
@@ -145,9 +148,7 @@ def compare(libs, device: str, cases, rounds: int, seed: int, algo: str, out=pri
             medians = tuple([] for _ in libs)
             n = len(libs)
             for r in range(rounds):
-                # Round r starts with library r mod n: the first timed in a round can measure
-                # differently (H200, budgets 1-7: two libraries of identical SASS 0.955x when one
-                # always went first), so each takes the lead in turn.
+                # Round r starts with library r mod n, so that none is always timed first.
                 for j in range(n):
                     m, fn = medians[(r + j) % n], fns[(r + j) % n]
                     if device == "cpu":

@@ -266,8 +266,11 @@ void launch_warp(const TreeBuildArgs& a, int grid, int threads, int help, size_t
 // H200, bench.tree_ab against the one-warp CTA, kernel alone, 4 rounds (each library leading
 // one), seeds 15 and 5 (2026-12-04): budgets 1-7 at bs 1 0.90-0.92x, budget 15 at bs 1-64
 // 0.94-0.96x, budget 31 at bs 1-64 0.98-0.99x; bs 256 0.98x (15) and 1.00x (31); bs 512 0.98x
-// and bs 1024 0.955x (unhelped: the same kernel with help 1). Profile, bs 1, budget 15: prologue
-// 2.60k -> 1.75k cycles, pops 5.07k -> 4.93k, outputs 1.06k -> 0.98k. Helpers at bs 512 (four
+// and bs 1024 0.955x (unhelped: the same kernel with help 1). Of that, the helpers' own share is
+// 1-4% (budgets 1-15) and ~4% (31): the same kernel never helped (a build with kWarpHelp 1) took
+// 0.92-0.98x at budgets 1-15 and 1.02-1.04x at 31, its new code's (or the library's own offset,
+// which bench.tree_ab documents). Profile, bs 1, budget 15: prologue 2.60k -> 1.75k cycles, pops
+// 5.07k -> 4.93k, outputs 1.06k -> 0.98k. Helpers at bs 512 (four
 // CTAs an SM, so the helpers take issue slots from other requests' pops): 1.10-1.12x; helpers
 // that stayed to split the outputs by part (a barrier after the pops; template kernels): 1.04x at
 // 15, 1.14-1.16x at 31, and two warps a request slower than four.
