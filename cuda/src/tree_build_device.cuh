@@ -164,6 +164,29 @@ __device__ void write_outputs(const TreeBuildArgs& a, int b, int n, int W, int u
                               const int16_t* fc, const int16_t* ns, const int64_t* ids,
                               int64_t root, int64_t seq_len, Mark mark) {
   const size_t o = (size_t)b * n;
+  const int q = blockDim.x / 4;  // a quarter of the block's threads: whole warps (T >= 128)
+  if (n <= q) {
+    // Each quarter writes one part of every slot (tokens and parents; depths and positions;
+    // links and scores; the visibility rows, at most two words here, and num_nodes), so that a
+    // slot's stores spread over four quarters' warps rather than queue in one. H200,
+    // bench.tree_ab against the first n threads writing every part, kernel alone, seeds 15 and
+    // 5, two runs (3 and 4 rounds): budgets 47 and 63 at bs 16-256 0.992-0.996x (bs 64, budget
+    // 63: 11.66 -> 11.56 us and 10.50 -> 10.47), bs 1 0.998-1.004x, bs 1024 0.997-0.998x (budget
+    // 63), bs 64 at budget 33 0.998-0.999x; budgets <= 31 (the warp build) are untouched. The
+    // profile's slots phase was ~0.8k of the slowest block's 17.9k cycles at bs 64, budget 63:
+    // this takes a small part of it.
+    const int g = threadIdx.x / q, i = threadIdx.x - g * q;
+    if (g < 3) {
+      if (i < n)
+        write_tree_slot(a, o, i, used, root, seq_len, node_cand, node_score, fc, ns, ids,
+                        g == 0 ? kSlotTokens : g == 1 ? kSlotPlace : kSlotLinks | kSlotScore);
+    } else {
+      write_visibility_rows(a.visibility + o * W, n, W, used, node_cand, i, q);
+      if (i == 0) a.num_nodes[b] = used;
+    }
+    mark(96);
+    return;
+  }
   for (int i = threadIdx.x; i < n; i += blockDim.x)
     write_tree_slot(a, o, i, used, root, seq_len, node_cand, node_score, fc, ns, ids);
   mark(96);

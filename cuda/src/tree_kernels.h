@@ -28,27 +28,46 @@ struct TreeBuildArgs {
   double* scores;           // [bs, n] or nullptr
 };
 
+// The outputs of a slot, in parts (write_tree_slot's parts: a mask).
+enum : unsigned {
+  kSlotTokens = 1,  // tokens, parents
+  kSlotPlace = 2,   // depths, positions
+  kSlotLinks = 4,   // first_child, next_sibling
+  kSlotScore = 8,   // scores
+  kSlotAll = 15
+};
+
 // Slot i of request row o = b * n from the node arrays (node order, slot 0 the root): every
-// output but visibility and num_nodes; slots >= used get -1 (and score 0). The CPU backend and
-// the CUDA writers (block and warp) all write slots through this.
+// output but visibility and num_nodes (parts: those of kSlot*); slots >= used get -1 (and score
+// 0). The CPU backend and the CUDA writers (block and warp) all write slots through this.
 KDT_HD void write_tree_slot(const TreeBuildArgs& a, size_t o, int i, int used, int64_t root,
                             int64_t seq_len, const uint32_t* node_cand, const double* node_score,
-                            const int16_t* fc, const int16_t* ns, const int64_t* ids) {
+                            const int16_t* fc, const int16_t* ns, const int64_t* ids,
+                            unsigned parts = kSlotAll) {
+  const bool tok = parts & kSlotTokens, place = parts & kSlotPlace, links = parts & kSlotLinks;
+  const bool score = (parts & kSlotScore) && a.scores;
   if (i >= used) {
-    a.tokens[o + i] = -1; a.parents[o + i] = -1; a.depths[o + i] = -1;
-    a.positions[o + i] = -1; a.first_child[o + i] = -1; a.next_sibling[o + i] = -1;
-    if (a.scores) a.scores[o + i] = 0.0;
+    if (tok) { a.tokens[o + i] = -1; a.parents[o + i] = -1; }
+    if (place) { a.depths[o + i] = -1; a.positions[o + i] = -1; }
+    if (links) { a.first_child[o + i] = -1; a.next_sibling[o + i] = -1; }
+    if (score) a.scores[o + i] = 0.0;
     return;
   }
   const uint32_t c = node_cand[i];
   const int d = tree::cand_depth(c);
-  a.tokens[o + i] = i == 0 ? root : ids[(size_t)(d - 1) * a.K + tree::cand_rank(c)];
-  a.parents[o + i] = i == 0 ? -1 : tree::cand_parent(c);
-  a.depths[o + i] = d;
-  a.positions[o + i] = seq_len + d;
-  a.first_child[o + i] = fc[i];
-  a.next_sibling[o + i] = ns[i];
-  if (a.scores) a.scores[o + i] = node_score[i];
+  if (tok) {
+    a.tokens[o + i] = i == 0 ? root : ids[(size_t)(d - 1) * a.K + tree::cand_rank(c)];
+    a.parents[o + i] = i == 0 ? -1 : tree::cand_parent(c);
+  }
+  if (place) {
+    a.depths[o + i] = d;
+    a.positions[o + i] = seq_len + d;
+  }
+  if (links) {
+    a.first_child[o + i] = fc[i];
+    a.next_sibling[o + i] = ns[i];
+  }
+  if (score) a.scores[o + i] = node_score[i];
 }
 
 struct TreeAcceptArgs {
