@@ -103,9 +103,9 @@ def drawn_inputs(seed: int | list[int], bs: int, budget: int) -> dict:
 
 def compare(libs, device: str, cases, rounds: int, seed: int, algo: str, out=print,
             timing: str = "alone", after_torch: bool = False, seeds: dict | None = None) -> bool:
-    """Times every case for each library (rounds of A, B, ..., rotated); prints a line per case; returns
-    False when a library builds a wrong tree (that case is then not timed). seeds (run_seeds):
-    each case's requests are a run's (drawn_inputs), else drawn from seed."""
+    """Times every case for each library (rounds of A, B, ..., rotated); prints a line per case;
+    returns False when a library builds a wrong tree (that case is then not timed). seeds
+    (run_seeds): each case's requests are a run's (drawn_inputs), else drawn from seed."""
     from bench.native_calls import prepare_tree_build
     from bench.timing import summarize, time_cpu, time_cuda, time_cuda_graph
     from bench.tree_algo import side_stream, tree_algo
@@ -172,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the changed builds' libkdtree.so (one or more, each against A)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--cases", default=DEFAULT_CASES, help="bs:budget,... (default %(default)s)")
-    ap.add_argument("--rounds", type=int, default=2, help="rounds, each timing every library once (default 2)")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="rounds, each timing every library once (default 2)")
     ap.add_argument("--seed", type=int, default=None, help="the requests' seed (default 15)")
     ap.add_argument("--draw-from", type=Path, metavar="RUN",
                     help="a kernels-suite run folder: each case's requests are the run's")

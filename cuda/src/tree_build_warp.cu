@@ -61,9 +61,9 @@ __host__ __device__ size_t warp_smem_per(int budget, int L, int K) {
 
 // Copies src[0, count) (global) to dst (shared; float, or double: converted) with nt threads (a
 // warp, or the whole CTA: thread `lane` of nt; the head and tail go to the first warp): 16-byte
-// loads from src's first 16-byte boundary on (a scalar head and tail around them), all
-// of a lane's loads in flight before its first store, so that up to 32 nt floats arrive in one
-// round trip (the head and tail loaded with the first 1024; a store that waits on its load
+// loads from src's first 16-byte boundary on (a scalar head and tail around them), all of a
+// lane's loads in flight before its first store, so that up to 32 nt floats arrive in one
+// round trip (the head and tail loaded with the first round; a store that waits on its load
 // before the next load issues costs a round trip of its own).
 template <class T>
 __device__ void warp_stage(T* dst, const float* src, int count, int lane, int nt) {
@@ -254,26 +254,28 @@ void launch_warp(const TreeBuildArgs& a, int grid, int threads, int help, size_t
 }
 
 // Helper warps: up to bs kWarpHelpMaxBs and budget kWarpHelpMaxBudget, a request's CTA has
-// kWarpHelp warps; all of them issue the prologue's loads and stage the log-probs and token ids
+// kWarpHelp warps. All of them issue the prologue's loads and stage the log-probs and token ids
 // (the prologue is mostly its instructions, ~390 a lane on one warp, not the round trip: see
-// above), meet at one barrier, and all but warp 0 leave: the pops and the outputs stay one warp's,
-// with no barrier. The warp count is a kernel argument, not a template one, so the helped and
-// unhelped launches run one kernel whose pops compile once. As a template argument (a kernel per
-// warp count), the helped kernel's pop loop came out of ptxas scheduled differently (a diff of its
-// ~1000 instructions against the one-warp kernel's, registers aside: 849 lines, against 233
-// here), and it measured 1.02-1.03x at budget 31 where this measures 0.98-0.99x; with the helpers staying on to the outputs,
-// its pops took 5.86k cycles against 5.07k (KDT_PAR_PROFILE, bs 1, budget 15).
+// above), they meet at one barrier, and all but warp 0 leave: the pops and the outputs stay one
+// warp's, with no barrier. The warp count is a kernel argument, not a template one, so that the
+// helped and the unhelped launches run one kernel whose pops compile once.
 // H200, bench.tree_ab against the one-warp CTA, kernel alone, 4 rounds (each library leading
 // one), seeds 15 and 5 (2026-12-04): budgets 1-7 at bs 1 0.90-0.92x, budget 15 at bs 1-64
 // 0.94-0.96x, budget 31 at bs 1-64 0.98-0.99x; bs 256 0.98x (15) and 1.00x (31); bs 512 0.98x
 // and bs 1024 0.955x (unhelped: the same kernel with help 1). Of that, the helpers' own share is
-// 1-4% (budgets 1-15) and ~4% (31): the same kernel never helped (a build with kWarpHelp 1) took
-// 0.92-0.98x at budgets 1-15 and 1.02-1.04x at 31, its new code's (or the library's own offset,
-// which bench.tree_ab documents). Profile, bs 1, budget 15: prologue 2.60k -> 1.75k cycles, pops
-// 5.07k -> 4.93k, outputs 1.06k -> 0.98k. Helpers at bs 512 (four
-// CTAs an SM, so the helpers take issue slots from other requests' pops): 1.10-1.12x; helpers
-// that stayed to split the outputs by part (a barrier after the pops; template kernels): 1.04x at
-// 15, 1.14-1.16x at 31, and two warps a request slower than four.
+// 1-4% at budgets 1-15 and ~4% at 31: the same kernel never helped (a build with kWarpHelp 1)
+// took 0.92-0.98x at budgets 1-15 and 1.02-1.04x at 31 (its new code, or the library's own
+// offset, which bench.tree_ab documents). Profile, bs 1, budget 15: prologue 2.60k -> 1.75k
+// cycles, pops 5.07k -> 4.93k, outputs 1.06k -> 0.98k. Not kept:
+//   - the warp count as a template argument (a kernel per count): ptxas scheduled the helped
+//     kernel's pop loop differently (a diff of its ~1000 instructions against the one-warp
+//     kernel's, registers aside, of 849 lines, against 233 here), and it measured 1.02-1.03x at
+//     budget 31 where this measures 0.98-0.99x;
+//   - the helpers staying on to write the outputs by part (a barrier after the pops; template
+//     kernels): the pops 5.86k cycles against 5.07k, 1.04x at budget 15, 1.14-1.16x at 31, and
+//     two warps a request slower than four;
+//   - helpers at bs 512 (four CTAs an SM: the helpers take issue slots from other requests'
+//     pops): 1.10-1.12x.
 constexpr int kWarpHelp = 4;
 constexpr int kWarpHelpMaxBs = 256;
 constexpr int kWarpHelpMaxBudget = 31;
@@ -291,7 +293,8 @@ kdt_status tree_build_warp_cuda(const TreeBuildArgs& a, void* stream) {
   while (R > 1 && (size_t)R * per > 48 * 1024) --R;
   const int grid = (a.bs + R - 1) / R;
   const size_t smem = (size_t)R * per;
-  const int help = R == 1 && a.bs <= kWarpHelpMaxBs && a.budget <= kWarpHelpMaxBudget ? kWarpHelp : 1;
+  const bool helped = R == 1 && a.bs <= kWarpHelpMaxBs && a.budget <= kWarpHelpMaxBudget;
+  const int help = helped ? kWarpHelp : 1;
   const int threads = 32 * (help > 1 ? help : R);
   switch (tree::wrp::slots_for(a.budget)) {
     case 1: launch_warp<1>(a, grid, threads, help, smem, st); break;

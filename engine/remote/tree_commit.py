@@ -56,9 +56,11 @@ def tree_commit(repo: str | Path, git: dict, rev: str = "HEAD",
     repo = Path(repo)
     if _git(repo, "cat-file", "-e", f"{sha}^{{commit}}").returncode != 0:
         return None, f"its HEAD {sha[:10]} is not in {repo}"
-    listed = _git(repo, "rev-list", "--ancestry-path", f"--max-count={limit}", f"{sha}..{rev}", "--")
+    listed = _git(repo, "rev-list", "--ancestry-path", f"--max-count={limit}", f"{sha}..{rev}",
+                  "--")
     if listed.returncode != 0:
-        return None, f"git rev-list {sha[:10]}..{rev} failed: {listed.stderr.decode(errors='replace').strip()}"
+        err = listed.stderr.decode(errors="replace").strip()
+        return None, f"git rev-list {sha[:10]}..{rev} failed: {err}"
     for commit in reversed(listed.stdout.decode().split()):  # the oldest first
         diff = _git(repo, "diff", sha, commit, "--binary", "--", ".", *NOT_ENGINE)
         if diff.returncode == 0 and hashlib.sha256(diff.stdout).hexdigest() == want:
