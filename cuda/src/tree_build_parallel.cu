@@ -68,7 +68,10 @@ __device__ void stage_check(float* staged, const float* lp, int n_lp, int K, int
 // bench.tree_ab; two blocks a multiprocessor). With the cap, against the kernel before these
 // changes (seeds 15, 5 and 7): budgets 127-1023 at bs 1 and 255 at bs 4 and 64 0.977-0.999x,
 // but bs 64 at budget 1023 1.014-1.019x, which nothing in the levels' code changed: the spill
-// or the code's layout (not measured apart).
+// or the code's layout (not measured apart). Since then the kernel has come to fit without the
+// cap (2026-12-04, sm_90: 80 registers staged and 72 unstaged uncapped, no spill), but ptxas
+// schedules it differently without the cap or with another one (96, 128); which schedule is
+// faster has not been measured yet, so the cap stays as measured.
 template <bool kStaged>
 __global__ void __maxnreg__(80)
     tree_build_parallel_kernel(TreeBuildArgs a, int cap, int twin, int nord,
