@@ -50,6 +50,8 @@ import os
 import shutil
 from pathlib import Path
 
+from engine.remote.provenance import sha256_file
+
 TARGET_SEED, DRAFTER_SEED = 0, 1
 DIGESTS = "weights.sha256.json"  # {file name: sha256}; its presence marks a complete folder
 
@@ -60,17 +62,9 @@ def cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "kdtree-engine"
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _digests(folder: Path) -> dict:
     """{name: sha256} of the weights files (config JSON and safetensors) in folder."""
-    return {p.name: _sha256(p) for p in sorted(folder.iterdir())
+    return {p.name: sha256_file(p) for p in sorted(folder.iterdir())
             if p.is_file() and p.name != DIGESTS and p.suffix in (".json", ".safetensors")}
 
 
@@ -157,7 +151,7 @@ def trained_drafter_weights(base: Path, settings: dict | None = None, device: st
                          f"(known: {sorted(DRAFTER_TRAIN)})")
     settings = {**DRAFTER_TRAIN, **settings}
     key = json.dumps({"target_sha256": BD.target_sha256(base),
-                      "drafter_init_sha256": _sha256(base / BD.WEIGHTS_FILE),
+                      "drafter_init_sha256": sha256_file(base / BD.WEIGHTS_FILE),
                       "train": settings}, sort_keys=True)
     folder = base.parent / f"{base.name}-drafter-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     if _bound(folder):
@@ -286,7 +280,7 @@ def drafter_record(folder) -> dict:
             "data_source": t.get("data_source"), "train_seed": t.get("seed"),
             "train_sequences": t.get("sequences"), "train_device": t.get("device"),
             "held_out_top1_by_depth": t.get("held_out_top1_by_depth"),
-            "drafter_sha256": _sha256(Path(folder) / BD.WEIGHTS_FILE)}
+            "drafter_sha256": sha256_file(Path(folder) / BD.WEIGHTS_FILE)}
 
 
 def describe(folder) -> dict:

@@ -15,6 +15,7 @@ import pytest
 
 from bench import weights as bw
 from engine.drafters import block as BD
+from engine.remote.provenance import sha256_file
 from native_helpers import native
 
 pytestmark = pytest.mark.native
@@ -55,7 +56,7 @@ def test_trained_once_reused_and_bound_to_its_target(cache, monkeypatch):
     assert f.parent == base.parent and f.name.startswith(base.name + "-drafter-")
     assert len(calls) == 1
     for name in bw.TARGET_FILES:  # the same target bytes as the base folder
-        assert bw._sha256(f / name) == bw._sha256(base / name)
+        assert sha256_file(f / name) == sha256_file(base / name)
     rec = bw.drafter_record(f)
     assert rec["kind"] == "trained" and rec["trained_steps"] == TINY["steps"]
     assert rec["data_source"] == "native-cpu" and rec["train_seed"] == seed

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.remote import results
+from engine.remote import provenance, results
 from engine.remote.errors import UsageError
 from engine.remote.plan import Options
 from engine.remote.progress import Progress
@@ -43,7 +43,7 @@ def test_verify_folder_names_every_defect(tmp_path):
     (tmp_path / "a").write_bytes(b"abc")
     (tmp_path / "b").write_bytes(b"abcd")
     (tmp_path / "c").write_bytes(b"abc")
-    sha = results.sha256_file(tmp_path / "a")
+    sha = provenance.sha256_file(tmp_path / "a")
     m = {"files": [{"path": "a", "size": 3, "sha256": sha}, {"path": "b", "size": 3, "sha256": sha},
                    {"path": "c", "size": 3, "sha256": "0" * 64}, {"path": "gone", "size": 1, "sha256": sha},
                    {"path": "../escape", "size": 1, "sha256": sha}, {"path": "/abs", "size": 1, "sha256": sha}]}

@@ -15,6 +15,9 @@ hosts whose synced source has no `.git`: there the git block comes from the envi
 variable KDTREE_GIT_JSON, which the runner sets from the deploying checkout. Only the standard
 library is used, so it imports on a bare host; every probe has a short timeout and a missing tool
 is recorded as None, never an exception.
+
+`sha256_file(path) -> str` is the digest a record gives each file: the runner's manifest, the
+results store's checks and the benchmarks' weights cache (bench/weights.py) all use it.
 """
 
 from __future__ import annotations
@@ -57,6 +60,15 @@ def _probe(argv: list[str], cwd: str | Path | None = None,
     except (OSError, subprocess.TimeoutExpired):
         return None
     return r.stdout if r.returncode == 0 else None
+
+
+def sha256_file(path: str | Path) -> str:
+    """Hex sha256 of the file's bytes, read 1 MiB at a time (weights files are large)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 # ---- git ------------------------------------------------------------------------------------

@@ -30,7 +30,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -56,14 +55,6 @@ MANIFEST = "manifest.json"
 _GIT_LOCK = threading.RLock()
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def safe_relpath(rel) -> bool:
     """A manifest path that stays inside its run folder and that git gives no meaning to."""
     return trust.check_relpath(rel) is None
@@ -86,8 +77,9 @@ def verify_folder(folder: Path, manifest: dict) -> list[str]:
             problems.append(f"{rel}: missing" if not p.is_symlink() else f"{rel}: a link, not a file")
         elif p.stat().st_size != entry.get("size"):
             problems.append(f"{rel}: size {p.stat().st_size}, manifest says {entry.get('size')}")
-        elif sha256_file(p) != entry.get("sha256"):
-            problems.append(f"{rel}: sha256 {sha256_file(p)[:16]}..., manifest says {str(entry.get('sha256'))[:16]}...")
+        elif (have := provenance.sha256_file(p)) != entry.get("sha256"):
+            problems.append(f"{rel}: sha256 {have[:16]}..., "
+                            f"manifest says {str(entry.get('sha256'))[:16]}...")
     return problems
 
 

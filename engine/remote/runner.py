@@ -25,7 +25,6 @@ Standard library only: it runs on bare hosts.
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import json
 import os
 import signal
@@ -53,21 +52,13 @@ def utc_now() -> str:
     return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def file_list(run_dir: Path) -> list[dict]:
     """Every file under run_dir except the manifest itself: path (posix, relative), size, sha256."""
     out = []
     for p in sorted(run_dir.rglob("*")):
         rel = p.relative_to(run_dir).as_posix()
         if p.is_file() and not rel.startswith(MANIFEST):
-            out.append({"path": rel, "size": p.stat().st_size, "sha256": sha256_file(p)})
+            out.append({"path": rel, "size": p.stat().st_size, "sha256": provenance.sha256_file(p)})
     return out
 
 
