@@ -3,6 +3,8 @@
 `native()` returns the `engine.native` module after making sure a library is there: with
 KDTREE_LIB set it uses that file; otherwise it (re)builds build/cpu when it is missing or older
 than cuda/ sources (cuda/build.sh --arch cpu --out build/cpu) and points KDTREE_LIB at it.
+`bench_library()` is that library as bench loads it (bench.load_library), for the benchmark
+suites' tests; either step failing skips the test with the reason.
 """
 
 from __future__ import annotations
@@ -38,6 +40,21 @@ def native():
 
         _READY = engine.native
     return _READY
+
+
+def bench_library():
+    """bench.load_library()'s library, after native() made sure one is there; skips the test,
+    with the reason, when either fails."""
+    import bench
+
+    try:
+        native()
+    except Exception as e:
+        pytest.skip(f"libkdtree.so is not available: {e}")
+    lib, why = bench.load_library()
+    if lib is None:
+        pytest.skip(f"libkdtree.so is not available: {why}")
+    return lib
 
 
 def cuda_skip_reason() -> str | None:

@@ -11,26 +11,15 @@ import numpy as np
 import pytest
 
 import bench
+from native_helpers import bench_library
 
 pytestmark = pytest.mark.native
 
 
 @pytest.fixture(scope="module")
 def ctx(tmp_path_factory):
-    sys.path.insert(0, str(bench.REPO_ROOT / "tests"))
-    try:
-        from native_helpers import native
-    finally:
-        sys.path.pop(0)
-    try:
-        native()
-    except Exception as e:
-        pytest.skip(f"libkdtree.so is not available: {e}")
-    lib, why = bench.load_library()
-    if lib is None:
-        pytest.skip(f"libkdtree.so is not available: {why}")
     return bench.Context(out_dir=tmp_path_factory.mktemp("bench"), quick=True, devices=["cpu"],
-                         library=lib)
+                         library=bench_library())
 
 
 def _fake_sglang(corrupt: bool = False):

@@ -6,12 +6,12 @@ large) in the run folder."""
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
 import bench
 from bench import weights as bw
+from native_helpers import bench_library
 
 RUN_FOLDER_MAX_BYTES = 512 * 1024  # "a few hundred KB" per file: JSON, tables, logs
 
@@ -44,18 +44,7 @@ def _ctx(out, lib, args):
 @pytest.mark.slow
 def test_e2e_and_service_runs_leave_no_weights_in_the_run_folder(tmp_path, monkeypatch,
                                                                  quick_weights):
-    sys.path.insert(0, str(bench.REPO_ROOT / "tests"))
-    try:
-        from native_helpers import native
-    finally:
-        sys.path.pop(0)
-    try:
-        native()
-    except Exception as e:
-        pytest.skip(f"libkdtree.so is not available: {e}")
-    lib, why = bench.load_library()
-    if lib is None:
-        pytest.skip(f"libkdtree.so is not available: {why}")
+    lib = bench_library()
     monkeypatch.setenv("KDTREE_CACHE", str(tmp_path / "cache"))
     # the weights made once for the session (conftest.py): what is asserted here is where the
     # suites look for them and what they record, not how they are trained
