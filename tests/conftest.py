@@ -1,6 +1,7 @@
 """Shared pytest fixtures (area-specific helpers live in each area's test files).
 
 `rng`: a numpy Generator with a fresh, printed seed per test.
+`seed`: a fresh, printed seed (an int) per module, for module-scoped models built from it.
 `loopback_sshd`: one throwaway sshd on 127.0.0.1 for the whole session (engine/remote/loopback.py),
 with its own host key, client key and known_hosts; skipped, with the reason, where no sshd is
 installed. Tests that need another "host" write another YAML for the same sshd with its own
@@ -44,6 +45,15 @@ def rng():
     seed = int(np.random.SeedSequence().entropy % 2**63)
     print(f"seed = {seed}")
     return np.random.default_rng(seed)
+
+
+@pytest.fixture(scope="module")
+def seed():
+    """A fresh seed per module, printed like rng's, for module-scoped fixtures (a model's
+    weights) and the inputs tests derive from it."""
+    s = int(np.random.SeedSequence().entropy % (2**31))
+    print(f"seed = {s}")
+    return s
 
 
 @pytest.fixture(scope="session")

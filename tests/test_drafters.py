@@ -18,19 +18,9 @@ from engine.drafters import block as BD
 from engine.reference import model as M
 from engine.drafters.oracle import NoisyOracleDrafter
 from engine.drafters.topk import topk_from_logits
+from model_helpers import rel_err, single_thread_blas  # noqa: F401 (autouse fixture)
 
 REL32 = 1e-5
-
-
-def rel_err(out, ref) -> float:
-    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    assert out.shape == ref.shape, (out.shape, ref.shape)
-    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-300))
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread_blas():
-    M.limit_blas_threads(1)
 
 
 def _check_contract(top_logp, top_ids, L, K, V):

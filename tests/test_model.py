@@ -19,19 +19,9 @@ import pytest
 
 from engine.reference import model as M
 from engine.reference import model_ops as O
+from model_helpers import rel_err, single_thread_blas  # noqa: F401 (autouse fixture)
 
 REL64 = 1e-10
-
-
-def rel_err(out, ref) -> float:
-    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    assert out.shape == ref.shape, (out.shape, ref.shape)
-    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-300))
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread_blas():
-    M.limit_blas_threads(1)
 
 
 @pytest.fixture(scope="module")

@@ -13,20 +13,9 @@ import pytest
 from engine.reference import model as M
 from engine.drafters.oracle import NoisyOracleDrafter
 from engine.reference.decode import generate
+from model_helpers import single_thread_blas  # noqa: F401 (autouse fixture)
 
 QUALITIES = [0.0, 0.3, 0.6, 0.9, 1.0]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread_blas():
-    M.limit_blas_threads(1)
-
-
-@pytest.fixture(scope="module")
-def seed():
-    s = int(np.random.SeedSequence().entropy % (2**31))
-    print(f"seed = {s}")
-    return s
 
 
 @pytest.fixture(scope="module")

@@ -64,13 +64,6 @@ def _native_logits(folder, tokens, device):
 
 
 @pytest.fixture(scope="module")
-def seed():
-    s = int(np.random.SeedSequence().entropy % (2**31))
-    print(f"seed = {s}")
-    return s
-
-
-@pytest.fixture(scope="module")
 def random_target(tmp_path_factory, seed):
     """(folder, weights, tokens, float64 reference logits) for seeded reference-scale weights
     (their router biases and norms are not trivial) written by the torch model's export."""
