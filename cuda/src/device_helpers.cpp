@@ -7,6 +7,34 @@
 #include <cuda_runtime.h>
 #endif
 
+namespace {
+
+// A blocking copy's direction: a plain enum, since cudaMemcpyKind exists only in CUDA builds.
+enum class Direction { kHostToDevice, kDeviceToHost };
+
+// kdt_memcpy_htod / kdt_memcpy_dtoh: the argument checks, then one blocking cudaMemcpy. Every
+// message names `fn`, the public function; a CUDA error also names the cudaMemcpyKind, as the
+// literal in the failed call (KDT_CUDA_CHECK prints the expression).
+kdt_status blocking_copy(void* dst, const void* src, size_t bytes, Direction dir, const char* fn) {
+  kdt::clear_error();
+  if (bytes == 0) return KDT_OK;
+  KDT_CHECK_PTR(dst, fn);
+  KDT_CHECK_PTR(src, fn);
+#if defined(KDT_WITH_CUDA)
+  kdt::count_sync();
+  if (dir == Direction::kHostToDevice)
+    KDT_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), fn);
+  else
+    KDT_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), fn);
+  return KDT_OK;
+#else
+  (void)dir;
+  return kdt::cuda_unsupported(fn);
+#endif
+}
+
+}  // namespace
+
 extern "C" {
 
 kdt_status kdt_device_alloc(void** ptr, size_t bytes) {
@@ -45,32 +73,12 @@ kdt_status kdt_device_free(void* ptr) {
 
 kdt_status kdt_memcpy_htod(void* dst, const void* src, size_t bytes) {
   static const char* fn = "kdt_memcpy_htod";
-  kdt::clear_error();
-  if (bytes == 0) return KDT_OK;
-  KDT_CHECK_PTR(dst, fn);
-  KDT_CHECK_PTR(src, fn);
-#if defined(KDT_WITH_CUDA)
-  kdt::count_sync();
-  KDT_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), fn);
-  return KDT_OK;
-#else
-  return kdt::cuda_unsupported(fn);
-#endif
+  return blocking_copy(dst, src, bytes, Direction::kHostToDevice, fn);
 }
 
 kdt_status kdt_memcpy_dtoh(void* dst, const void* src, size_t bytes) {
   static const char* fn = "kdt_memcpy_dtoh";
-  kdt::clear_error();
-  if (bytes == 0) return KDT_OK;
-  KDT_CHECK_PTR(dst, fn);
-  KDT_CHECK_PTR(src, fn);
-#if defined(KDT_WITH_CUDA)
-  kdt::count_sync();
-  KDT_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), fn);
-  return KDT_OK;
-#else
-  return kdt::cuda_unsupported(fn);
-#endif
+  return blocking_copy(dst, src, bytes, Direction::kDeviceToHost, fn);
 }
 
 kdt_status kdt_device_synchronize(void) {
