@@ -41,35 +41,9 @@
 //      above t would not fit beside the stale ones. Compaction goes into the pool's second
 //      copy, or, where shared memory holds one copy only (Arrays::twin; sm_120 at large
 //      budgets), in place through a small buffer, a round at a time.
-//   3. The kept nodes are ordered by (score desc, rank path asc): a bucket sort on the score
-//      (order_bins: 256, 1024 or 4096 buckets by the pool's capacity), ranks counted inside
-//      a bucket with no branch; the first B are nodes 1..B. (Counting each kept entry's rank over
-//      the whole pool instead, one phase with no buckets, for pools up to 256 entries: H200,
-//      bench.tree_ab, 1.07x at bs 1 and 1.20x at bs 64, budget 63, 1.25-1.30x at 127, with a
-//      branch-free loop unrolled 4 times; its phase took 5.6k cycles at budget 63, bs 64, against
-//      4.5k for the bucket sort's three. A warp an entry and a lane a column instead, the columns'
-//      scores in registers: 1.32x at bs 64 and 1.13x at bs 1, budget 63, ~350 cycles an entry in
-//      series in its warp, ~800 with a tie; four entries an iteration was slower still: 8f7e796 and
-//      7e71da8, reverted. G lanes an entry, G picked from the pool's size, each a stride of the
-//      columns, a shuffle sum: 7.5k cycles at bs 1, budget 63 (profile, seed 5) against the
-//      buckets' 5.0k; bs 64's slowest block 42.7k against 21.7k. Not kept.
-//      A merge for the queue's pool up to 256 entries: each warp sorts a chunk of 32 entries
-//      with a bitonic network of shuffles, then an entry's rank is its slot plus a six-probe
-//      binary search of every other chunk on score and key (ties of both, rare, compared by
-//      rank path after). Two phases, but at bs 64, budget 63 (profile, seed 5) the sort took
-//      2.8k cycles and the ranks 6.6k, against 4.2k for the buckets' three phases: H200,
-//      bench.tree_ab, 1.11-1.21x at budgets 33-63, bs 1-1024. Not kept. The queue's entries
-//      binned into these buckets as the queue takes them (t and the top score are known before
-//      it: a bucket, a slot by a shared atomic, a list of up to 8 entries a bucket, 1 request
-//      in 768 overflowing one), so that the order is one phase: an entry's rank is the count
-//      of the buckets before its own, from 32 group sums scanned by shuffles plus its group's
-//      buckets before it, and the entries of its bucket that precede it. The one phase took
-//      2.8-3.6k cycles against the three's 3.9k, but each batch's run lengths ~250 cycles more
-//      (binning after the queue instead, each warp its own entries once it has no batch left:
-//      no cheaper); H200, bench.tree_ab, seeds 15 and 5, five variants: budget 63 1.00-1.13x
-//      at bs 1-1024, budgets 33 and 47 1.02-1.07x at bs 64 and 0.97-1.05x at bs 1. Not kept.)
-//      Parents and child lists (prepend rule) follow from the order: a run is contiguous, so
-//      a node's left sibling is the entry before it.
+//   3. The kept nodes are ordered by (score desc, rank path asc), and the first B become nodes
+//      1..B with their parents and child lists (tree_build_parallel_order.h: a bucket sort on
+//      the score, ranks counted inside a bucket; the alternatives measured are there).
 // Masses of exact ties that overflow the pool even so are declined as well.
 //
 // The Block (tree_build_gpu_block.cuh's GpuBlock, tree_build_cpu.cpp's CpuBlock) runs each phase
@@ -89,6 +63,7 @@
 
 #include "kdtree/hd.h"
 #include "tree_build_core.h"
+#include "tree_build_parallel_order.h"
 #include "tree_build_parallel_plan.h"
 #include "tree_build_parallel_state.h"
 
@@ -457,128 +432,8 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
     }
     blk.mark(300 + d);
   }
-  // ---- 3. the order: buckets by score (a bucket sort), ranks counted inside a bucket --------
-  const int n = le;
-  const Pool P = A.pool(c);
-  const bool all = !bd.has;
-  const double tt = bd.t;
-  const double lo = all ? unordered(S.pmin) : tt;
-#if defined(__CUDA_ARCH__)
-  Bins bins;
-#else
-  Bins bins{};  // read only when spread; g++ (-Wmaybe-uninitialized) cannot see that
-#endif
-  const int mord = C.mord;  // nord = 2^mord buckets
-  const bool spread = n > 1 && make_bins(lo, top, mord, lsb, bins);
-  // hist's bins above kBins are still zero from the first phase; its first kBins are too
-  // unless a refinement ran after the last level's write.
-  if (!hist_clean) {
-    blk.run([&](int t) {
-      for (int i = t; i < kBins; i += T) A.hist[i] = 0;
-    });
-  }
-  blk.run([&](int t) {
-    if (t == 0) A.inv[0] = 0;
-    for (int e = 1 + t; e < n; e += T) {
-      A.inv[e] = 0;
-      const double s = P.score[e];
-      if (!(all || s >= tt)) { A.cnt[e] = -1; continue; }
-      const int bk = spread ? bins.nb - 1 - bins.of(s) : 0;  // bucket 0: the best scores
-      A.cnt[e] = (bk << 16) | hist_add(A.hist, bk);
-    }
-  });
-  const int kept_n = blk.scan(A.hist, A.nord);  // hist: each bucket's first position
-  blk.mark(80);
-  // Bucket by bucket: the entries (srt), and with two copies their scores and keys beside them in
-  // the other one (free now), so that counting an entry's rank in its bucket reads independent
-  // values; with one copy the count reads them through srt.
-  const bool twin = A.twin;
-  const Pool Q = twin ? A.pool(c ^ 1) : P;
-  blk.run([&](int t) {
-    for (int e = 1 + t; e < n; e += T) {
-      const int v = A.cnt[e];
-      if (v < 0) continue;
-      const int q = A.hist[v >> 16] + (v & 0xFFFF);
-      A.srt[q] = (uint16_t)e;
-      if (twin) {
-        Q.score[q] = P.score[e];
-        Q.key[q] = P.key[e];
-      }
-    }
-  });
-  blk.mark(85);
-  const int used = (kept_n < budget ? kept_n : budget) + 1;
-  blk.run([&](int t) {
-    // Every node's child list starts empty (the nodes phase then links the parents: written
-    // here, a phase ahead, so that the two writes to a parent's first_child are ordered).
-    for (int i = t; i < used; i += T) N.first_child[i] = -1;
-    for (int q = t; q < kept_n; q += T) {
-      const int e = A.srt[q], bk = A.cnt[e] >> 16;
-      const int b0 = A.hist[bk], b1 = bk + 1 < A.nord ? A.hist[bk + 1] : kept_n;
-      // A bucket that starts at or past position `budget` holds no selected entry: each entry's
-      // rank is at least the bucket's start. (The scores crowd toward the threshold, so these
-      // are often the largest buckets. H200, bench.tree_ab against counting them, kernel alone,
-      // seeds 15 and 5: budget 255 0.978-0.985x, 1023 0.977-0.996x (bs 1 and 64), 33 and 63
-      // 0.991-1.007x; seeds 2 and 3 budget 63 1.00x, 255 0.984-0.996x. Such buckets skipped
-      // in the placing phase too, the ranks' loop ending at the end of the last bucket that
-      // starts before `budget` (a shared word the entry placed at budget - 1 writes): H200,
-      // bench.tree_ab against this, seeds 15 and 5, 3 rounds: budgets 47 and 63 1.008-1.015x at
-      // bs 1 and 64, 255 1.006-1.007x, 1023 0.999-1.003x. Not kept.)
-      if (b0 >= budget) continue;
-      const int y = twin ? q : e;
-      const double se = Q.score[y];
-      const uint64_t ke = Q.key[y];
-      // before() on the scores and keys, with no branch (four entries an iteration); an entry
-      // of equal score and key (a tie deeper than the keys: rare) is counted by before() after.
-      // (The loop before this one branched on each entry's score, then its key, then called
-      // before(). H200, bench.tree_ab against it, kernel alone, seeds 15 and 5: budget 63
-      // 0.983-0.996x at bs 1-1024, 33 0.976-0.993x, 127 0.98-0.99x, 255 0.945-0.987x, 1023
-      // 0.89-0.96x (bs 1 and 64); at bs 64 the slowest block's ranks took 1.0k cycles against
-      // 2.2k at budget 63, and 4.5k against 10.7k at 1023 (KDT_PAR_PROFILE, seed 5).)
-      int r = b0, tie = 0, k = b0;
-      auto count = [&](int kx) {
-        const int x = twin ? kx : A.srt[kx];
-        const double sk = Q.score[x];
-        const uint64_t kk = Q.key[x];
-        r += (sk > se) | ((sk == se) & (kk < ke));
-        tie |= (sk == se) & (kk == ke) & (kx != q);
-      };
-      for (; k + 4 <= b1; k += 4) {
-        count(k);
-        count(k + 1);
-        count(k + 2);
-        count(k + 3);
-      }
-      for (; k < b1; ++k) count(k);
-      if (tie) {
-        for (k = b0; k < b1; ++k) {
-          const int x = twin ? k : A.srt[k];
-          if (k != q && Q.score[x] == se && Q.key[x] == ke)
-            r += before(P, A.key_depth, A.srt[k], e);
-        }
-      }
-      if (r < budget) { A.inv[e] = (int16_t)(r + 1); A.order[r] = (uint16_t)e; }
-    }
-  });
-  blk.mark(81);
-  // ---- nodes: order[r] is the entry of node r + 1 (one phase) -------------------------------
-  blk.run([&](int t) {
-    if (t == 0) { N.score[0] = 0.0; N.cand[0] = 0; N.next_sibling[0] = -1; }
-    for (int i = 1 + t; i < used; i += T) {
-      const int e = A.order[i - 1];
-      const uint32_t cd = P.cand[e];
-      const int r = cand_rank(cd);
-      N.score[i] = P.score[e];
-      N.cand[i] = pack((uint32_t)A.inv[cand_parent(cd)], (uint32_t)r, (uint32_t)cand_depth(cd));
-      N.next_sibling[i] = r > 0 ? A.inv[e - 1] : (int16_t)-1;
-      // The last selected child of its run (the run's next entry is rank + 1 of one parent).
-      const bool more = e + 1 < n && A.inv[e + 1] &&
-                        P.cand[e + 1] == pack(cand_parent(cd), cand_rank(cd) + 1, cand_depth(cd));
-      if (!more) N.first_child[A.inv[cand_parent(cd)]] = (int16_t)i;
-    }
-  });
-  blk.mark(82);
-  return used;
+  // ---- 3. the order, then the nodes (tree_build_parallel_order.h) ---------------------------
+  return order_nodes(blk, S, A, N, c, le, bd, top, lsb, budget, hist_clean, C.mord);
 }
 
 }  // namespace par
