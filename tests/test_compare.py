@@ -1,5 +1,5 @@
-"""engine.remote.compare: the Mann-Whitney test against brute force, verdicts on synthetic runs
-with fresh random samples, like-with-like refusals and the exit codes."""
+"""engine.remote.compare and engine.remote.stats: the Mann-Whitney test against brute force,
+verdicts on synthetic runs with fresh random samples, like-with-like refusals and the exit codes."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.remote import compare as cmp
+from engine.remote import stats
 
 
 def _brute_p(x, y):
@@ -33,7 +34,7 @@ def _brute_p(x, y):
 def test_exact_p_matches_enumeration(n1, n2, seed):
     rng = np.random.default_rng(seed)
     x, y = rng.random(n1), rng.random(n2) + rng.random() * 0.5  # distinct: no ties
-    u, p = cmp.mann_whitney_u(x, y)
+    u, p = stats.mann_whitney_u(x, y)
     assert p == pytest.approx(_brute_p(x, y), rel=1e-12), f"seed {seed}"
 
 
@@ -41,25 +42,25 @@ def test_normal_approximation_close_to_exact_for_large_samples():
     seed = int(np.random.SeedSequence().entropy % 2**32)
     rng = np.random.default_rng(seed)
     x, y = rng.normal(0, 1, 30), rng.normal(0.3, 1, 30)
-    _, p_norm = cmp.mann_whitney_u(x, y, exact=False)
-    _, p_exact = cmp.mann_whitney_u(x, y, exact=True)
+    _, p_norm = stats.mann_whitney_u(x, y, exact=False)
+    _, p_exact = stats.mann_whitney_u(x, y, exact=True)
     # the continuity-corrected normal approximation is within ~0.01 of exact at 30 + 30
     assert abs(p_norm - p_exact) < 0.01, f"seed {seed}: {p_norm} vs {p_exact}"
-    assert cmp.mann_whitney_u(x, y) == cmp.mann_whitney_u(x, y, exact=True)
+    assert stats.mann_whitney_u(x, y) == stats.mann_whitney_u(x, y, exact=True)
     with pytest.raises(ValueError, match="exact=True"):
-        cmp.mann_whitney_u([1.0, 1.0], [2.0], exact=True)
+        stats.mann_whitney_u([1.0, 1.0], [2.0], exact=True)
 
 
 def test_ties_and_identical_samples():
-    _, p = cmp.mann_whitney_u([1.0] * 10, [1.0] * 10)
+    _, p = stats.mann_whitney_u([1.0] * 10, [1.0] * 10)
     assert p == 1.0
-    _, p = cmp.mann_whitney_u([1.0, 1.0, 2.0, 2.0] * 5, [3.0, 3.0, 4.0, 4.0] * 5)
+    _, p = stats.mann_whitney_u([1.0, 1.0, 2.0, 2.0] * 5, [3.0, 3.0, 4.0, 4.0] * 5)
     assert p < 1e-6
 
 
 def test_exact_counts_sum_to_binomial():
     for n1, n2 in [(1, 1), (3, 4), (10, 12), (30, 30)]:
-        c = cmp._exact_u_cdf(n1, n2)
+        c = stats._exact_u_cdf(n1, n2)
         assert c.sum() == __import__("math").comb(n1 + n2, n1)
         assert np.array_equal(c, c[::-1])  # U's distribution is symmetric
 
