@@ -39,7 +39,7 @@ def _fake_sglang(corrupt: bool = False):
 
 
 def test_kernels_quick_cpu(ctx):
-    from bench import kernels
+    from bench import kernels, kernels_attention
 
     out = kernels.run(ctx)
     recs = out["results"]
@@ -61,7 +61,7 @@ def test_kernels_quick_cpu(ctx):
     assert {r["case"]["dtype"] for r in att} == {"float32", "bfloat16"}
     for r in att:
         c = r["case"]
-        w = kernels.attention_work(c["bs"], c["prefix"], c["tree"], c["dtype"], 0, 1)
+        w = kernels_attention.attention_work(c["bs"], c["prefix"], c["tree"], c["dtype"], 0, 1)
         assert r["work"]["bytes"] == w["bytes"]  # bytes do not depend on the mask
         # A unit guard (flops or seconds off by 1000x), not a bound on the ceiling's quality: the
         # quick CPU ceiling (a 512^3 float32 matmul, 5 reps) can run far below the machine's peak
@@ -85,10 +85,11 @@ def test_kernels_quick_cpu(ctx):
 
 
 def test_attention_work_formula_by_hand():
-    from bench import kernels
+    from bench import kernels_attention
 
     # bs 2, P 10, T 3, H 1, Dl 4, Dr 2, fp32; visible = 2*3*10 + ancestors (say 8)
-    w = kernels.attention_work(2, 10, 3, "float32", 2 * 3 * 10 + 8, 1, heads=1, d_latent=4, d_rope=2)
+    w = kernels_attention.attention_work(2, 10, 3, "float32", 2 * 3 * 10 + 8, 1, heads=1, d_latent=4,
+                                         d_rope=2)
     assert w["bytes"] == (26 * 6 + 6 * 1 * 6) * 4 + 6 * 1 * 5 * 4 + 6 * 1 * 4
     assert w["flops"] == 2 * 1 * (4 + 2 + 4) * 68
 

@@ -15,7 +15,7 @@ HEAD_BS, HEAD_BUDGETS = (1, 64), (15, 255)  # the tree build's headline grid
 ATT_GRID = {"dtype": ("float32", "bfloat16"), "bs": (1, 64), "prefix": (4096, 32768), "tree": (1, 64)}
 # Row order of the attention paths: ours (KDT_VERIFY_PATH values; mma16, mma-small, mma-smallq
 # = mma with KDT_MMA_TILE=16, small, smallq; records before paths were recorded are the auto
-# path), then the torch peers (bench/kernels.py).
+# path), then the torch peers (bench/kernels_attention.py).
 ATT_PATHS = ("auto", "cpu", "simt", "mma", "mma16", "mma-small", "mma-smallq", "sm90a", "torch",
              "sdpa")
 ATT_PEERS = ("torch", "sdpa")
