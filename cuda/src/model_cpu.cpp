@@ -11,6 +11,7 @@
 
 #include "common.h"
 #include "engine.h"
+#include "model_route_core.h"
 
 namespace kdt {
 namespace engine {
@@ -97,16 +98,9 @@ void route(const Config& c, const float* logits, const float* bias, int* idx, fl
   for (int e = 0; e < E; ++e) choice[e] = score[e] + (bias ? bias[e] : 0.f);
   std::vector<char> allowed(E, 1);
   if (G > 1) {
-    // Group score: sum of the group's two best choice values; keep the topk_group best groups.
+    // Keep the topk_group best groups by group_score (model_route_core.h).
     std::vector<float> gscore(G);
-    for (int g = 0; g < G; ++g) {
-      float b1 = -INFINITY, b2 = -INFINITY;
-      for (int j = 0; j < per; ++j) {
-        float v = choice[g * per + j];
-        if (v > b1) { b2 = b1; b1 = v; } else if (v > b2) { b2 = v; }
-      }
-      gscore[g] = per >= 2 ? b1 + b2 : b1;
-    }
+    for (int g = 0; g < G; ++g) gscore[g] = model::group_score(choice.data() + g * per, per);
     std::vector<char> gkeep(G, 0);
     for (int r = 0; r < c.topk_group; ++r) {
       int best = -1;

@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include "engine.h"
+#include "model_route_core.h"
 
 namespace kdt {
 namespace engine {
@@ -268,12 +269,7 @@ __global__ void route_kernel(const float* logits, const float* bias, int T, int 
     float gscore[64];
     bool gkeep[64];
     for (int g = 0; g < G; ++g) {
-      float b1 = -INFINITY, b2 = -INFINITY;
-      for (int j = 0; j < per; ++j) {
-        float v = choice[g * per + j];
-        if (v > b1) { b2 = b1; b1 = v; } else if (v > b2) { b2 = v; }
-      }
-      gscore[g] = per >= 2 ? b1 + b2 : b1;
+      gscore[g] = model::group_score(choice + g * per, per);
       gkeep[g] = false;
     }
     for (int r = 0; r < topk_group; ++r) {
