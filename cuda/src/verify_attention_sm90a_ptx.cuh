@@ -1,9 +1,9 @@
 // verify_attention_sm90a_ptx.cuh: the Hopper PTX that the sm90a kernel
-// (verify_attention_sm90a_kernel.cuh) is written in: shared addresses, mbarriers, TMA tile loads (cp.async.bulk.tensor), proxy fences,
-// named barriers, wgmma (fence, commit, wait; m64n64k16 and m64n256k16 from shared-memory
-// descriptors with the 128-byte swizzle), setmaxnreg, and bf16 packing. Only the compute_90a pass sees them (the
-// arch-specific instructions assemble nowhere else). Included by verify_attention_sm90a.cu
-// alone (an unnamed namespace: nothing exported).
+// (verify_attention_sm90a_kernel.cuh) is written in: shared addresses, mbarriers, TMA tile loads
+// (cp.async.bulk.tensor), proxy fences, named barriers, wgmma (fence, commit, wait; m64n64k16 and
+// m64n256k16 from shared-memory descriptors with the 128-byte swizzle), setmaxnreg, and bf16
+// packing. Only the compute_90a pass sees them (the arch-specific instructions assemble nowhere
+// else). Included by verify_attention_sm90a.cu alone (an unnamed namespace: nothing exported).
 #pragma once
 
 #include <cuda.h>  // CUtensorMap
