@@ -5,11 +5,14 @@ KDTREE_LIB set it uses that file; otherwise it (re)builds build/cpu when it is m
 than cuda/ sources (cuda/build.sh --arch cpu --out build/cpu) and points KDTREE_LIB at it.
 `bench_library()` is that library as bench loads it (bench.load_library), for the benchmark
 suites' tests; either step failing skips the test with the reason.
+`fresh_tiny_weights(tmp_path_factory, name, drafter=...)` writes a tiny model with fresh random
+weights (and, with drafter=True, a random block drafter beside it) for the engine and server tests.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,6 +58,22 @@ def bench_library():
     if lib is None:
         pytest.skip(f"libkdtree.so is not available: {why}")
     return lib
+
+
+def fresh_tiny_weights(tmp_path_factory, name: str, *, drafter: bool):
+    """(folder, seed): a new temporary folder `name` holding the tiny model (docs/MODEL.md) with
+    random weights from a fresh seed; drafter=True adds a random block drafter seeded seed + 1.
+    Tests put the seed in their failure messages."""
+    from engine.drafters.block import init_block_drafter
+    from engine.reference import model
+
+    seed = secrets.randbelow(2**31)
+    d = tmp_path_factory.mktemp(name)
+    cfg = model.tiny_config()
+    model.save_weights(d, cfg, model.init_weights(cfg, seed))
+    if drafter:
+        init_block_drafter(d, seed=seed + 1)
+    return d, seed
 
 
 def cuda_skip_reason() -> str | None:

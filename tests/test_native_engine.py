@@ -21,7 +21,8 @@ import secrets
 import numpy as np
 import pytest
 
-from native_helpers import cuda_ready, native, skip_cuda_without_gpu  # noqa: F401 (fixtures)
+from native_helpers import (  # noqa: F401 (fixtures)
+    cuda_ready, fresh_tiny_weights, native, skip_cuda_without_gpu)
 
 pytestmark = pytest.mark.native
 
@@ -34,14 +35,9 @@ ROUTE_TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
-    """A tiny model with a fresh seed (docs/MODEL.md), plus its block drafter."""
-    from engine.reference import model
-
-    seed = secrets.randbelow(2**31)
-    d = tmp_path_factory.mktemp("weights")
-    cfg = model.tiny_config()
-    model.save_weights(d, cfg, model.init_weights(cfg, seed))
-    return d, seed
+    """A tiny model with a fresh seed (docs/MODEL.md); no drafter until
+    test_block_drafter_and_step_api writes one."""
+    return fresh_tiny_weights(tmp_path_factory, "weights", drafter=False)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,8 @@ import secrets
 import numpy as np
 import pytest
 
-from native_helpers import DEVICES, cuda_ready, native, skip_cuda_without_gpu  # noqa: F401
+from native_helpers import (  # noqa: F401
+    DEVICES, cuda_ready, fresh_tiny_weights, native, skip_cuda_without_gpu)
 
 pytestmark = pytest.mark.native
 
@@ -22,15 +23,7 @@ pytestmark = pytest.mark.native
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
     """A tiny target with a fresh seed and a seeded random block drafter beside it."""
-    from engine.drafters.block import init_block_drafter
-    from engine.reference import model
-
-    seed = secrets.randbelow(2**31)
-    d = tmp_path_factory.mktemp("weights")
-    cfg = model.tiny_config()
-    model.save_weights(d, cfg, model.init_weights(cfg, seed))
-    init_block_drafter(d, seed=seed + 1)
-    return d, seed
+    return fresh_tiny_weights(tmp_path_factory, "weights", drafter=True)
 
 
 def engine(weights, device, **kw):

@@ -21,7 +21,8 @@ import urllib.request
 import numpy as np
 import pytest
 
-from native_helpers import cuda_ready, native, skip_cuda_without_gpu  # noqa: F401 (fixtures)
+from native_helpers import (  # noqa: F401 (fixtures)
+    cuda_ready, fresh_tiny_weights, native, skip_cuda_without_gpu)
 
 pytestmark = pytest.mark.native
 
@@ -32,16 +33,8 @@ LONG = 4000  # tokens of a request that must not finish while the test watches (
 
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
-    from engine.drafters.block import init_block_drafter
-    from engine.reference import model
-
     native()  # builds / locates libkdtree.so and sets KDTREE_LIB for the servers too
-    seed = secrets.randbelow(2**31)
-    d = tmp_path_factory.mktemp("serve_weights")
-    cfg = model.tiny_config()
-    model.save_weights(d, cfg, model.init_weights(cfg, seed))
-    init_block_drafter(d, seed=seed + 1)
-    return d, seed
+    return fresh_tiny_weights(tmp_path_factory, "serve_weights", drafter=True)
 
 
 def _server(weights, mode, tmp_path_factory, device="cpu"):

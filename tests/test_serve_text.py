@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import secrets
 import shutil
 import urllib.request
 
 import pytest
 
 from bpe_helpers import TEXTS, train_tokenizer
-from native_helpers import DEVICES, native, skip_cuda_without_gpu  # noqa: F401 (fixture)
+from native_helpers import (  # noqa: F401 (fixture)
+    DEVICES, fresh_tiny_weights, native, skip_cuda_without_gpu)
 
 pytestmark = pytest.mark.native
 N = 10
@@ -23,16 +23,11 @@ N = 10
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    from engine.drafters.block import init_block_drafter
     from engine.reference import model
 
     native()
-    seed = secrets.randbelow(2**31)
-    d = tmp_path_factory.mktemp("serve_text")
-    cfg = model.tiny_config()
-    model.save_weights(d, cfg, model.init_weights(cfg, seed))
-    init_block_drafter(d, seed=seed + 1)
-    train_tokenizer(d / "tokenizer.json", vocab_size=cfg.vocab_size - 40)
+    d, seed = fresh_tiny_weights(tmp_path_factory, "serve_text", drafter=True)
+    train_tokenizer(d / "tokenizer.json", vocab_size=model.tiny_config().vocab_size - 40)
     return d, seed
 
 
