@@ -138,8 +138,18 @@ __device__ __forceinline__ void warp_write_outputs(const TreeBuildArgs& a, int b
 // kStaged: the log-probs are copied to shared memory as doubles (warp_stage_bytes > 0); a
 // template argument so that the pops read them with shared loads (see
 // tree_build_parallel_kernel).
+// At most 80 registers a thread (__maxnreg__) instead of __launch_bounds__(128), which gave 72
+// registers: the same source, another schedule of the pop loop. H200, bench.tree_ab, kernel
+// alone, 4 rounds, seeds 15 and 5, against the library before (2026-12-05; a byte-identical
+// copy of that library, loaded beside it, took 0.997-1.002x): bs 1 budgets 1-15 0.95-0.98x, 31
+// 0.975-0.98x; bs 4 and 16 at 15 0.97x, bs 4 at 31 0.985x; bs 64 0.98x (15), 0.99x (31); bs 256
+// 1.00x (15), 1.006-1.011x (31); bs 512 1.00x. Measured beside it and not kept: 72 (__maxnreg__)
+// 0.96-1.00x, 88 0.96-1.03x, 64 spilled; eight helper warps (kWarpHelp 8, the same SASS as at
+// 72 with four) took 1.00-1.04x against four; warp 1 writing each node's outputs as warp 0
+// pops it (a release store of the pop count a pop, or every second one, warp 1 polling)
+// 1.04-1.15x at every case.
 template <int S, bool kStaged>
-__global__ void __launch_bounds__(128) tree_build_warp_kernel(TreeBuildArgs a, int help) {
+__global__ void __maxnreg__(80) tree_build_warp_kernel(TreeBuildArgs a, int help) {
 #if defined(KDT_PAR_PROFILE)
   // Development probes (bench/tree_profile.py --algo warp): lane 0 of each warp prints its
   // request's cycles waiting to start (60), in the prologue (61), the pops (62) and the
