@@ -147,9 +147,12 @@ __device__ __forceinline__ void warp_write_outputs(const TreeBuildArgs& a, int b
 // 0.96-1.00x, 88 0.96-1.03x, 64 spilled; eight helper warps (kWarpHelp 8, the same SASS as at
 // 72 with four) took 1.00-1.04x against four; warp 1 writing each node's outputs as warp 0
 // pops it (a release store of the pop count a pop, or every second one, warp 1 polling)
-// 1.04-1.15x at every case.
+// 1.04-1.15x at every case. The cap is on S = 1 (budgets <= 31, auto's range) alone, in a
+// kernel of its own (tree_build_warp1_kernel): the larger frontiers take up to 255 registers
+// (S = 8..32 spill under a cap of 80), and __launch_bounds__(128) keeps their code as measured
+// (__launch_bounds__(128, 1) or __maxnreg__(255) schedules S = 2..16 differently).
 template <int S, bool kStaged>
-__global__ void __maxnreg__(80) tree_build_warp_kernel(TreeBuildArgs a, int help) {
+__device__ __forceinline__ void warp_build(TreeBuildArgs a, int help) {
 #if defined(KDT_PAR_PROFILE)
   // Development probes (bench/tree_profile.py --algo warp): lane 0 of each warp prints its
   // request's cycles waiting to start (60), in the prologue (61), the pops (62) and the
@@ -254,13 +257,30 @@ __global__ void __maxnreg__(80) tree_build_warp_kernel(TreeBuildArgs a, int help
 #endif
 }
 
+template <int S, bool kStaged>
+__global__ void __launch_bounds__(128) tree_build_warp_kernel(TreeBuildArgs a, int help) {
+  warp_build<S, kStaged>(a, help);
+}
+
+template <bool kStaged>
+__global__ void __maxnreg__(80) tree_build_warp1_kernel(TreeBuildArgs a, int help) {
+  warp_build<1, kStaged>(a, help);
+}
+
 template <int S>
 void launch_warp(const TreeBuildArgs& a, int grid, int threads, int help, size_t smem,
                  cudaStream_t st) {
-  if (warp_stage_bytes(a.L, a.K))
+  const bool staged = warp_stage_bytes(a.L, a.K) != 0;
+  if constexpr (S == 1) {
+    if (staged)
+      launch_pdl(tree_build_warp1_kernel<true>, grid, threads, smem, st, a, help);
+    else
+      launch_pdl(tree_build_warp1_kernel<false>, grid, threads, smem, st, a, help);
+  } else if (staged) {
     launch_pdl(tree_build_warp_kernel<S, true>, grid, threads, smem, st, a, help);
-  else
+  } else {
     launch_pdl(tree_build_warp_kernel<S, false>, grid, threads, smem, st, a, help);
+  }
 }
 
 // Helper warps: up to bs kWarpHelpMaxBs and budget kWarpHelpMaxBudget, a request's CTA has
