@@ -62,18 +62,22 @@ __device__ void stage_check(float* staged, const float* lp, int n_lp, int K, int
 // shared (or a global) load: a pointer that may point to either compiles to slower generic loads.
 // cap, twin: the pool's capacity and copies (tree::par::plan).
 // C: the launch's scalars (tree::par::consts).
-// At most 80 registers a thread (__maxnreg__), as the kernel took before the ballots of the
-// queue's narrow batches and first runs (85 without the cap, 4 bytes spilled with it): three
-// blocks of 256 threads a multiprocessor. Uncapped, bs 1024 at budget 63 took 1.20x (H200,
-// bench.tree_ab; two blocks a multiprocessor). With the cap, against the kernel before these
-// changes (seeds 15, 5 and 7): budgets 127-1023 at bs 1 and 255 at bs 4 and 64 0.977-0.999x,
-// but bs 64 at budget 1023 1.014-1.019x, which nothing in the levels' code changed: the spill
-// or the code's layout (not measured apart). Since then the kernel has come to fit without the
-// cap (2026-12-04, sm_90: 80 registers staged and 72 unstaged uncapped, no spill), but ptxas
-// schedules it differently without the cap or with another one (96, 128); which schedule is
-// faster has not been measured yet, so the cap stays as measured.
-template <bool kStaged>
-__global__ void __maxnreg__(80)
+// kRoomy: at most 96 registers a thread instead of 80 (__maxnreg__; the launch picks, below).
+// With 80, the cap the kernel took before the ballots of the queue's narrow batches and first
+// runs (85 without the cap, 4 bytes spilled with it), three blocks of 256 threads fit a
+// multiprocessor; with 96 (sm_90: 96 registers unstaged, 90 staged), two. Uncapped, bs 1024 at
+// budget 63 took 1.20x (H200, bench.tree_ab; two blocks a multiprocessor). The kernel now fits
+// 80 without a spill (sm_90: 80 staged, 72 unstaged uncapped), and the cap chooses a schedule.
+// The 96 cap on every launch (H200, bench.tree_ab, 2026-12-05): bs 1024 at budget 63 1.21x, where
+// two blocks a multiprocessor fit instead of three. So the launch takes the roomy kernel when
+// the grid fits the multiprocessors at its occupancy, or when its occupancy is the other's
+// (shared memory or the block's threads bound both alike). This launch against the 80 kernel
+// alone (H200, bench.tree_ab, kernel alone, 4 rounds, seeds 15 / 5): bs 256 at budget 63
+// 0.918 / 0.952x, 255 0.931 / 0.917x, 1023 0.981 / 0.977x; bs 264 at 63 0.972 / 0.911x; bs 64
+// at 255 0.988 / 0.990x, at 1023 0.993 / 0.972x; bs 1-128 at budgets 33-63 0.992-1.000x; bs 1
+// at 1023 1.003 / 1.005x; bs 300 and 1024 (the 80 kernel) 0.999-1.001x.
+template <bool kStaged, bool kRoomy>
+__global__ void __maxnreg__(kRoomy ? 96 : 80)
     tree_build_parallel_kernel(TreeBuildArgs a, int cap, int twin, int nord,
                                const tree::par::Consts C) {
   extern __shared__ double smem[];
@@ -242,6 +246,86 @@ __global__ void __maxnreg__(80)
   blk.print_marks();
 }
 
+// The four instantiations, and what the launch needs of them (once per device).
+constexpr void (*kKernels[2][2])(TreeBuildArgs, int, int, int, const tree::par::Consts) = {
+    {tree_build_parallel_kernel<false, false>, tree_build_parallel_kernel<false, true>},
+    {tree_build_parallel_kernel<true, false>, tree_build_parallel_kernel<true, true>}};
+
+struct DeviceFacts {
+  int limit = 0;           // the dynamic shared memory a block may take (opted in)
+  int threads_limit = 0;   // the fewest of the kernels' maxThreadsPerBlock
+  int sms = 0;             // multiprocessors
+  int smem_per_sm = 0;     // shared memory a multiprocessor has for blocks
+  int regs_per_sm = 0;     // registers a multiprocessor has
+  int regs[2][2] = {};     // registers a thread, per instantiation
+  int static_smem[2][2] = {};
+};
+
+// Blocks of kernel (staged, roomy) that fit one multiprocessor at T threads and `bytes` of
+// dynamic shared memory: the fewest of what the registers (allocated per warp, in units of 256),
+// the shared memory (plus the 1 KB the device reserves a block) and the threads allow.
+int blocks_per_sm(const DeviceFacts& f, int staged, int roomy, int T, size_t bytes) {
+  const int warps = (T + 31) / 32;
+  const int warp_regs = (f.regs[staged][roomy] * 32 + 255) / 256 * 256;
+  const int by_regs = warp_regs ? f.regs_per_sm / (warp_regs * warps) : 32;
+  const size_t block_smem = bytes + (size_t)f.static_smem[staged][roomy] + 1024;
+  const int by_smem = (int)((size_t)f.smem_per_sm / block_smem);
+  const int by_threads = 2048 / T;
+  int n = by_regs < by_smem ? by_regs : by_smem;
+  n = n < by_threads ? n : by_threads;
+  return n < 32 ? n : 32;
+}
+
+// The shared-memory opt-in, once per device at the largest size the device allows, so that a
+// later call under graph capture makes no attribute call (nor any other query: the facts are
+// cached here). tree::par::plan picks the layout that fits (sm_120: 99 KB per block); a budget
+// that fits none runs the serial kernel.
+kdt_status device_facts(const char* fn, const DeviceFacts** out) {
+  static DeviceFacts facts[64];
+  int dev = 0;
+  KDT_CUDA_CHECK(cudaGetDevice(&dev), fn);
+  static DeviceFacts other;  // a device past 64: asked every call
+  DeviceFacts& f = dev >= 0 && dev < 64 ? facts[dev] : other;
+  if (f.limit) {
+    *out = &f;
+    return KDT_OK;
+  }
+  int limit = 0;
+  KDT_CUDA_CHECK(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
+                 fn);
+  limit -= 1024;  // the kernel's static shared memory (S, used)
+  const int cap = tree::par::pool_capacity(tree::kMaxBudget);
+  const int most = (int)(tree::par::smem_bytes(tree::kMaxBudget, tree::kMaxDepth, cap, true,
+                                               tree::par::order_bins(cap)) +
+                         tree::par::kStageLogpBytes);
+  limit = limit < most ? limit : most;
+  DeviceFacts g;
+  KDT_CUDA_CHECK(cudaDeviceGetAttribute(&g.sms, cudaDevAttrMultiProcessorCount, dev), fn);
+  KDT_CUDA_CHECK(
+      cudaDeviceGetAttribute(&g.smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev),
+      fn);
+  KDT_CUDA_CHECK(
+      cudaDeviceGetAttribute(&g.regs_per_sm, cudaDevAttrMaxRegistersPerMultiprocessor, dev), fn);
+  g.threads_limit = 1024;
+  for (int staged = 0; staged < 2; ++staged) {
+    for (int roomy = 0; roomy < 2; ++roomy) {
+      const auto k = kKernels[staged][roomy];
+      KDT_CUDA_CHECK(
+          cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, limit), fn);
+      // The registers a kernel takes bound its threads per block (a launch of more fails).
+      cudaFuncAttributes fa;
+      KDT_CUDA_CHECK(cudaFuncGetAttributes(&fa, k), fn);
+      if (fa.maxThreadsPerBlock < g.threads_limit) g.threads_limit = fa.maxThreadsPerBlock;
+      g.regs[staged][roomy] = fa.numRegs;
+      g.static_smem[staged][roomy] = (int)fa.sharedSizeBytes;
+    }
+  }
+  g.limit = limit;
+  f = g;
+  *out = &f;
+  return KDT_OK;
+}
+
 }  // namespace
 
 kdt_status tree_build_parallel_cuda(const TreeBuildArgs& a, void* stream, bool* launched) {
@@ -249,65 +333,29 @@ kdt_status tree_build_parallel_cuda(const TreeBuildArgs& a, void* stream, bool* 
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   *launched = false;
   const int T = tree::par::threads_from_env(a.budget);
-  // The shared-memory opt-in, once per device at the largest size the device allows, so that
-  // a later call under graph capture makes no attribute call. tree::par::plan picks the
-  // layout that fits (sm_120: 99 KB per block); a budget that fits none runs the serial
-  // kernel.
-  static int optin[64] = {};
-  static int most_threads[64] = {};  // the fewer of the two kernels' maxThreadsPerBlock
-  int dev = 0;
-  KDT_CUDA_CHECK(cudaGetDevice(&dev), fn);
-  int limit = 48 * 1024, threads_limit = 1024;
-  if (dev >= 0 && dev < 64 && optin[dev]) {
-    limit = optin[dev];
-    threads_limit = most_threads[dev];
-  } else {
-    KDT_CUDA_CHECK(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
-                   fn);
-    limit -= 1024;  // the kernel's static shared memory (S, used)
-    const int cap = tree::par::pool_capacity(tree::kMaxBudget);
-    const int most = (int)(tree::par::smem_bytes(tree::kMaxBudget, tree::kMaxDepth, cap, true,
-                                                 tree::par::order_bins(cap)) +
-                           tree::par::kStageLogpBytes);
-    limit = limit < most ? limit : most;
-    KDT_CUDA_CHECK(cudaFuncSetAttribute(tree_build_parallel_kernel<true>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, limit),
-                   fn);
-    KDT_CUDA_CHECK(cudaFuncSetAttribute(tree_build_parallel_kernel<false>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, limit),
-                   fn);
-    // The registers a kernel takes bound its threads per block (a launch of more fails).
-    for (auto k : {tree_build_parallel_kernel<true>, tree_build_parallel_kernel<false>}) {
-      cudaFuncAttributes fa;
-      KDT_CUDA_CHECK(cudaFuncGetAttributes(&fa, k), fn);
-      threads_limit = fa.maxThreadsPerBlock < threads_limit ? fa.maxThreadsPerBlock
-                                                            : threads_limit;
-    }
-    if (dev >= 0 && dev < 64) {
-      optin[dev] = limit;
-      most_threads[dev] = threads_limit;
-    }
-  }
-  if (T > threads_limit)
+  const DeviceFacts* f = nullptr;
+  const kdt_status s = device_facts(fn, &f);
+  if (s != KDT_OK) return s;
+  if (T > f->threads_limit)
     return set_error(KDT_ERR_INVALID_ARGUMENT, fn,
                      "KDT_TREE_BUILD_THREADS=%d: the parallel build's kernel takes at most %d "
                      "threads per block on this device (its registers); use %d or fewer",
-                     T, threads_limit, threads_limit);
+                     T, f->threads_limit, f->threads_limit);
   tree::par::Plan p;
   const size_t knob = tree::par::smem_from_env();  // a smaller device, emulated
-  if (tree::par::plan(a.budget, a.L, a.K, knob && knob < (size_t)limit ? knob : limit, &p)) {
-    const int twin = p.twin ? 1 : 0;
-    const tree::par::Consts C = tree::par::consts(a.budget, a.L, a.K, T, p.nord);
-    if (p.staged)
-      launch_pdl(tree_build_parallel_kernel<true>, a.bs, T, p.bytes, st, a, p.cap, twin, p.nord,
-                 C);
-    else
-      launch_pdl(tree_build_parallel_kernel<false>, a.bs, T, p.bytes, st, a, p.cap, twin,
-                 p.nord, C);
-    KDT_CUDA_CHECK(cudaGetLastError(), fn);
-    *launched = true;
-    return KDT_OK;
-  }
+  const size_t limit = knob && knob < (size_t)f->limit ? knob : (size_t)f->limit;
+  if (!tree::par::plan(a.budget, a.L, a.K, limit, &p)) return KDT_OK;
+  const int twin = p.twin ? 1 : 0, staged = p.staged ? 1 : 0;
+  // The roomy kernel when the grid fits the multiprocessors at its occupancy, or it fits as
+  // many blocks a multiprocessor as the other (kRoomy above).
+  const int dense = blocks_per_sm(*f, staged, 0, T, p.bytes);
+  const int roomy_fit = blocks_per_sm(*f, staged, 1, T, p.bytes);
+  const int roomy = roomy_fit >= dense || a.bs <= f->sms * roomy_fit ? 1 : 0;
+  const tree::par::Consts C = tree::par::consts(a.budget, a.L, a.K, T, p.nord);
+  KDT_CUDA_CHECK(launch_pdl(kKernels[staged][roomy], a.bs, T, p.bytes, st, a, p.cap, twin,
+                            p.nord, C),
+                 fn);
+  *launched = true;
   return KDT_OK;
 }
 
