@@ -221,6 +221,30 @@ def test_cuda_parallel_queue(monkeypatch, cuda_ready):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("bs", [8, 1100])
+def test_cuda_parallel_both_register_caps(monkeypatch, cuda_ready, bs):
+    # The launch picks the 96-register kernel when the grid fits the multiprocessors at its
+    # occupancy (two blocks of 256 threads a multiprocessor), else the 80-register one: bs 8
+    # takes the first at every budget, bs 1100 the second at budgets 33-255 on any device of
+    # fewer than 550 multiprocessors (tree_build_parallel.cu). Both bit for bit.
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    monkeypatch.setenv("KDT_TREE_BUILD", "parallel")
+    from bench.inputs import tree_inputs
+
+    for budget in (63, 255):
+        inp = tree_inputs(rng, bs, 15, 64)
+        args = (inp["top_logp"], inp["top_ids"], inp["root_ids"], inp["seq_lens"])
+        assert_same(native().build_tree(*args[:2], budget, *args[2:], device="cuda"),
+                    ddtree.build_tree(*args[:2], budget, *args[2:]), FIELDS_TREE,
+                    f"seed={seed} bs={bs} budget={budget}")
+    args = _queue_overflow_inputs(bs, 1.0)  # the queue gives way to the levels
+    assert_same(native().build_tree(*args[:2], 63, *args[2:], device="cuda"),
+                ddtree.build_tree(*args[:2], 63, *args[2:]), FIELDS_TREE,
+                f"queue overflow bs={bs}")
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("mode", ["auto", "warp", "parallel", "serial"])
 @pytest.mark.parametrize("budget", BUDGETS)
 def test_cuda_modes_match_reference(monkeypatch, cuda_ready, mode, budget):
