@@ -132,9 +132,9 @@ struct GpuBlock {
   // bench.tree_ab, seeds 15 and 5: budget 63 1.02-1.13x at bs 1-1024, 47 1.06-1.19x, 33
   // 0.98-1.14x. A narrow batch's counts from one redux.sync of per-entry bytes instead of the
   // eight ballots (no look-ahead): 1.00-1.025x at budgets 33-63. Neither kept.)
-  template <class Probe, class Put>
+  template <class Probe, class Put, class Live>
   __device__ int expand(unsigned* work, uint32_t* cand, int* off, int n0, int cap, int kc,
-                        Probe probe, Put put) {
+                        Probe probe, Put put, Live live) {
     auto len = [&](int i) { return tree::par::probe_len(probe, i, kc); };
     const int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
     const int share = (n0 - 1 + nw - 1) / nw;  // of the first runs, a warp's first batch
@@ -142,6 +142,7 @@ struct GpuBlock {
     while (lo < hi) {
       const int m = hi - lo;
       int total, base;
+      bool more = false;  // a child this lane wrote has a child of its own (live)
       if (m <= 32 / kSmallLanes) {
         // A narrow batch (the deepest subtree's are): kSmallLanes lanes an entry, lane `sub` of
         // entry j testing ranks sub, sub + G, ... (kc <= 64). A rank's test is one ballot bit,
@@ -178,7 +179,11 @@ struct GpuBlock {
         if (total == 0 || base + total > cap) break;
         for (int k = 0; k < kend; ++k) {
           const int r = sub + G * k, e = base + excl + r;
-          if ((mine >> k) & 1u) cand[e] = put(i, e, r);
+          if ((mine >> k) & 1u) {
+            const uint32_t cd = put(i, e, r);
+            cand[e] = cd;
+            more |= live(e, cd);
+          }
         }
       } else if (m <= 32) {
         const int i = lo + lane;
@@ -197,7 +202,11 @@ struct GpuBlock {
             if (x <= k) q += st;
           }
           const int qi = __shfl_sync(kFull, i, q), qx = __shfl_sync(kFull, excl, q);
-          if (k < total) cand[base + k] = put(qi, base + k, k - qx);
+          if (k < total) {
+            const uint32_t cd = put(qi, base + k, k - qx);
+            cand[base + k] = cd;
+            more |= live(base + k, cd);
+          }
         }
       } else {
         int run = 0;
@@ -215,13 +224,16 @@ struct GpuBlock {
         __syncwarp();  // the offsets are visible to every lane
         for (int k = lane; k < total; k += 32) {
           const int i = tree::par::last_pass(lo, hi, [&](int x) { return off[x] <= k; });
-          cand[base + k] = put(i, base + k, k - off[i]);
+          const uint32_t cd = put(i, base + k, k - off[i]);
+          cand[base + k] = cd;
+          more |= live(base + k, cd);
         }
       }
       __syncwarp();  // the children are visible to every lane: the next batch
       mark(72);
       lo = base;
-      hi = base + total;
+      // No child with a child of its own: the next batch would count only empty runs.
+      hi = __any_sync(kFull, more) ? base + total : base;
     }
     __syncthreads();
     const int a = (int)*work;

@@ -258,7 +258,20 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
       *u = float_at_least(tt - P.score[i]);
       return lp + (size_t)d * K;
     };
-    const int n = blk.expand(&S.work, P.cand, A.cnt, n0, cap, kc, probe, put);
+    // Whether entry e, written by put as cand cd, has a child to expand: its rank-0 child passes
+    // count_ge64's test (rows do not rise, so a run is empty exactly when its rank 0 fails), and
+    // it is not at the last depth. A warp whose batch writes no such child ends its queue there
+    // instead of running one more batch whose runs all count empty (Block::expand). H100 (no
+    // H200 came), bench.tree_ab against the loop without it, kernel alone, bit-exact: budget 63
+    // 0.95-0.99x at bs 1-1024 (seeds 15 and 5; the requests of 20261205T040516Z's suite: bs 1
+    // 0.973x, bs 64 0.987x), budgets 33 and 47 0.96-0.98x, 255 and 1023 1.00x. Listing the
+    // live children as the next batch (a warp's list of up to 32) was mixed: bs 64, budget 63
+    // 1.02x (seed 15) and 0.97x (seed 5); not kept.
+    auto live = [&](int e, uint32_t cd) {
+      const int d = cand_depth(cd);
+      return d < L && lp[(size_t)d * K] >= float_at_least(tt - P.score[e]);
+    };
+    const int n = blk.expand(&S.work, P.cand, A.cnt, n0, cap, kc, probe, put, live);
     blk.mark(7);
     if (n >= 0) {
       le = n;
