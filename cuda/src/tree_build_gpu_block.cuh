@@ -131,7 +131,13 @@ struct GpuBlock {
   // ~0.65k (profile, bs 64, budget 63, seed 5: warp 0 ran 4 batches instead of 5); H200,
   // bench.tree_ab, seeds 15 and 5: budget 63 1.02-1.13x at bs 1-1024, 47 1.06-1.19x, 33
   // 0.98-1.14x. A narrow batch's counts from one redux.sync of per-entry bytes instead of the
-  // eight ballots (no look-ahead): 1.00-1.025x at budgets 33-63. Neither kept.)
+  // eight ballots (no look-ahead): 1.00-1.025x at budgets 33-63. Neither kept. The first runs
+  // dealt out an entry at a time instead of in shares (warp w taking entries 1 + w, 1 + w + W,
+  // ...), so that the runs' heads, whose subtrees are the largest, go to different warps: H100,
+  // bench.tree_ab against the shares, kernel alone, budget 63, seeds 15 / 5 / 2: bs 64 0.992 /
+  // 0.993 / 1.036x, bs 16 0.953-0.987x, bs 1 0.98-1.00x, bs 256 0.98-1.01x; the suites' draws of
+  // run 20261205T164124Z at bs 64 0.982x (kernels) and 0.998x (tree_build); budget 33 bs 64
+  // 1.005-1.056x, budget 255 (no queue: the library's own offset) 1.012-1.014x. Not kept.)
   template <class Probe, class Put, class Live>
   __device__ int expand(unsigned* work, uint32_t* cand, int* off, int n0, int cap, int kc,
                         Probe probe, Put put, Live live) {

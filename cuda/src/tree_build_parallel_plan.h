@@ -89,7 +89,13 @@ KDT_HD int order_bins(int cap) {
 // many batches as before (its queue's end 4.7k cycles both; H200, KDT_PAR_PROFILE, seed 5).
 // H200, bench.tree_ab, kernel alone, seeds 15 and 5: budget 63 bs 64 1.01-1.02x, bs 1
 // 1.03-1.04x, bs 4-1024 0.90-1.03x, budgets 33 and 47 0.97-1.04x; two steps 1.045-1.07x; at
-// every budget (127-1023, the levels) 0.98-1.07x. Not kept.
+// every budget (127-1023, the levels) 0.98-1.07x. Not kept. Fewer and longer ones, the
+// deviations 1 <= r <= 4 at depth >= 2 carried on by one to three rank-0 steps (144 members at
+// L = 15): the replica's pools on the 64 requests of four draws, median 78 -> 72 nodes, largest
+// 187 / 128 / 166 / 152 -> 125 / 93 / 98 / 105. H100, bench.tree_ab, kernel alone, budget 63,
+// seeds 15 / 5 / 2: bs 64 0.968 / 0.989 / 1.023x, bs 256 0.944-0.989x, bs 1 1.006-1.009x; run
+// 20261205T164124Z's draws at bs 64 0.985x (tree_build) and 1.004x (kernels); in the replica
+// the deepest warp runs as many batches as before. Not kept.
 constexpr int kFamilyRanksQueue = 32;
 KDT_HD int family_ranks(int K, int budget) {
   const int kc = K < budget ? K : budget;
