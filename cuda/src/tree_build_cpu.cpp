@@ -70,17 +70,19 @@ struct CpuBlock {
   }
   // The queue in order: entry i expanded after entries 1 .. i - 1 (a breadth-first order; the
   // CUDA block's order depends on its schedule, and the build does not depend on it).
-  // An entry the queue wrote that live(i, cand) calls childless is not expanded (the CUDA block
+  // An entry the queue wrote that live calls childless is not expanded (the CUDA block
   // skips a batch only when every entry in it is such; an unsound live drops nodes here).
-  template <class Probe, class Put, class Live>
+  template <class Probe, class ParentOf, class Put, class Live>
   KDT_HD int expand(unsigned*, uint32_t* cand, int*, int n0, int cap, int kc, Probe probe,
-                    Put put, Live live) {
+                    ParentOf parent, Put put, Live live) {
     int a = n0;
 #if !defined(__CUDA_ARCH__)
     for (int i = 1; i < a; ++i) {
-      const int c = i < n0 || live(i, cand[i]) ? tree::par::probe_len(probe, i, kc) : 0;
+      const auto p = parent(i);
+      const bool expand = i < n0 || live(tree::par::Child{cand[i], p.score});
+      const int c = expand ? tree::par::probe_len(probe, i, kc) : 0;
       if (a + c > cap) return -1;
-      for (int r = 0; r < c; ++r) cand[a + r] = put(i, a + r, r);
+      for (int r = 0; r < c; ++r) cand[a + r] = put(p, i, a + r, r).cand;
       a += c;
     }
 #endif

@@ -88,8 +88,9 @@ struct GpuBlock {
   // a batch's run lengths (probe(i, &u): the row of i's children and the least log-prob that
   // keeps one, or nullptr; len(i): tree::par::probe_len), one atomic on *work (the entries
   // allocated) for all its runs, placed contiguously there in batch order, and the children
-  // written, a child a lane (put(i, e, r) writes rank r of entry i into entry e, score and key,
-  // and returns its cand, stored here). No entry passes between warps, so no entry waits on a
+  // written, a child a lane (put(parent(i), i, e, r) writes rank r of entry i into entry e,
+  // score and key, and returns its cand, stored here, and its score; live(child): whether it has
+  // a child of its own). No entry passes between warps, so no entry waits on a
   // ready flag or a fence: a __syncwarp orders a batch's writes before the next batch reads
   // them. A batch of at most 32 / kSmallLanes entries tests its ranks by ballots (below); one
   // of at most 32 keeps its lengths and offsets in registers (a lane each; the children's runs
@@ -138,9 +139,9 @@ struct GpuBlock {
   // 0.993 / 1.036x, bs 16 0.953-0.987x, bs 1 0.98-1.00x, bs 256 0.98-1.01x; the suites' draws of
   // run 20261205T164124Z at bs 64 0.982x (kernels) and 0.998x (tree_build); budget 33 bs 64
   // 1.005-1.056x, budget 255 (no queue: the library's own offset) 1.012-1.014x. Not kept.)
-  template <class Probe, class Put, class Live>
+  template <class Probe, class ParentOf, class Put, class Live>
   __device__ int expand(unsigned* work, uint32_t* cand, int* off, int n0, int cap, int kc,
-                        Probe probe, Put put, Live live) {
+                        Probe probe, ParentOf parent, Put put, Live live) {
     auto len = [&](int i) { return tree::par::probe_len(probe, i, kc); };
     const int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
     const int share = (n0 - 1 + nw - 1) / nw;  // of the first runs, a warp's first batch
@@ -166,6 +167,7 @@ struct GpuBlock {
         const int j = lane / G, sub = lane % G, i = lo + j;
         float u = 0.0f;
         const float* row = j < m ? probe(i, &u) : nullptr;
+        const auto par = parent(j < m ? i : lo);  // its loads are probe's (no store between)
         const unsigned below = (1u << (G * j)) - 1u;
         unsigned mine = 0;  // bit k: this lane's rank sub + G k passed
         int excl = 0, kend = 0;
@@ -186,9 +188,9 @@ struct GpuBlock {
         for (int k = 0; k < kend; ++k) {
           const int r = sub + G * k, e = base + excl + r;
           if ((mine >> k) & 1u) {
-            const uint32_t cd = put(i, e, r);
-            cand[e] = cd;
-            more |= live(e, cd);
+            const auto ch = put(par, i, e, r);
+            cand[e] = ch.cand;
+            more |= live(ch);
           }
         }
       } else if (m <= 32) {
@@ -209,9 +211,9 @@ struct GpuBlock {
           }
           const int qi = __shfl_sync(kFull, i, q), qx = __shfl_sync(kFull, excl, q);
           if (k < total) {
-            const uint32_t cd = put(qi, base + k, k - qx);
-            cand[base + k] = cd;
-            more |= live(base + k, cd);
+            const auto ch = put(parent(qi), qi, base + k, k - qx);
+            cand[base + k] = ch.cand;
+            more |= live(ch);
           }
         }
       } else {
@@ -230,9 +232,9 @@ struct GpuBlock {
         __syncwarp();  // the offsets are visible to every lane
         for (int k = lane; k < total; k += 32) {
           const int i = tree::par::last_pass(lo, hi, [&](int x) { return off[x] <= k; });
-          const uint32_t cd = put(i, base + k, k - off[i]);
-          cand[base + k] = cd;
-          more |= live(base + k, cd);
+          const auto ch = put(parent(i), i, base + k, k - off[i]);
+          cand[base + k] = ch.cand;
+          more |= live(ch);
         }
       }
       __syncwarp();  // the children are visible to every lane: the next batch

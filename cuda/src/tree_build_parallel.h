@@ -189,14 +189,25 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
   if (bd.has && budget <= kQueueMaxBudget) {
     const Pool P = A.pool(0);
     const double tt = bd.t;
-    // Child r of entry i into entry e (score and key); returns its cand. The root (entry 0,
-    // score 0, key 0, cand 0: depth 0) is a parent like any other.
-    auto put = [&](int i, int e, int r) {
-      const int d = cand_depth(P.cand[i]) + 1;
+    // Entry i as a parent (its score, key and depth: read once for all its children), and child
+    // r of entry i (p: parent(i)) into entry e, score and key; put returns its cand and score.
+    // The root (entry 0, score 0, key 0, cand 0: depth 0) is a parent like any other. (put read
+    // the parent's fields itself before, and live the child's score back from the pool: the
+    // compiler cannot tell that a child's store leaves its parent's entry alone, so a lane that
+    // wrote several children of one parent in a narrow batch reloaded them for each. H100 (the
+    // H200's time kept for the suites), bench.tree_ab against that, kernel alone, bit-exact,
+    // seeds 15 / 5 / 2: budget 63 0.979-0.988x at bs 1-256, bs 1024 0.991-0.992x, budgets 33
+    // and 47 0.981-0.994x, 255 (no queue) 0.999-1.000x; the suites' draws of run
+    // 20261205T164124Z at bs 64: 0.984x (kernels, 10.14 -> 9.98 us), 0.986x (tree_build, 10.82
+    // -> 10.67 us).)
+    auto parent = [&](int i) { return Parent{P.score[i], P.key[i], (int)cand_depth(P.cand[i])}; };
+    auto put = [&](const Parent& p, int i, int e, int r) {
+      const int d = p.depth + 1;
       const float* row = lp + (size_t)(d - 1) * K;
-      P.score[e] = child_score(row, P.score[i], r, d);
-      P.key[e] = child_key(A, P.key[i], r, d);
-      return pack((uint32_t)i, (uint32_t)r, (uint32_t)d);
+      const double sc = child_score(row, p.score, r, d);
+      P.score[e] = sc;
+      P.key[e] = child_key(A, p.key, r, d);
+      return Child{pack((uint32_t)i, (uint32_t)r, (uint32_t)d), sc};
     };
     static_assert(kQueueMaxBudget <= 64, "the queue counts runs with count_at_least64");
     // The runs of the rank-0 chain's first kChainRuns nodes (the root's first), computed by
@@ -258,7 +269,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
       *u = float_at_least(tt - P.score[i]);
       return lp + (size_t)d * K;
     };
-    // Whether entry e, written by put as cand cd, has a child to expand: its rank-0 child passes
+    // Whether a child put wrote has a child to expand: its rank-0 child passes
     // count_ge64's test (rows do not rise, so a run is empty exactly when its rank 0 fails), and
     // it is not at the last depth. A warp whose batch writes no such child ends its queue there
     // instead of running one more batch whose runs all count empty (Block::expand). H100 (no
@@ -267,11 +278,11 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
     // 0.973x, bs 64 0.987x), budgets 33 and 47 0.96-0.98x, 255 and 1023 1.00x. Listing the
     // live children as the next batch (a warp's list of up to 32) was mixed: bs 64, budget 63
     // 1.02x (seed 15) and 0.97x (seed 5); not kept.
-    auto live = [&](int e, uint32_t cd) {
-      const int d = cand_depth(cd);
-      return d < L && lp[(size_t)d * K] >= float_at_least(tt - P.score[e]);
+    auto live = [&](const Child& ch) {
+      const int d = cand_depth(ch.cand);
+      return d < L && lp[(size_t)d * K] >= float_at_least(tt - ch.score);
     };
-    const int n = blk.expand(&S.work, P.cand, A.cnt, n0, cap, kc, probe, put, live);
+    const int n = blk.expand(&S.work, P.cand, A.cnt, n0, cap, kc, probe, parent, put, live);
     blk.mark(7);
     if (n >= 0) {
       le = n;

@@ -97,6 +97,18 @@ struct Pool {
   uint64_t* key;   // rank-path prefix keys (tree::Scratch's layout)
 };
 
+// A pool entry as the queue's parent (Block::expand reads it once for all the children it
+// writes), and a child as put wrote it.
+struct Parent {
+  double score;
+  uint64_t key;
+  int depth;
+};
+struct Child {
+  uint32_t cand;
+  double score;
+};
+
 // The CTA's arrays in shared memory (the pointers themselves are per thread: registers; no
 // pointer array is indexed at run time, which would put them in local memory).
 struct Arrays {
