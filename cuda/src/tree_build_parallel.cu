@@ -68,8 +68,9 @@ __device__ void stage_check(float* staged, const float* lp, int n_lp, int K, int
 // multiprocessor; with 96 (sm_90: 96 registers unstaged, 90 staged), two. Uncapped, bs 1024 at
 // budget 63 took 1.20x (H200, bench.tree_ab; two blocks a multiprocessor). The staged kernel
 // fits 80 without a spill (sm_90), and the cap chooses a schedule; the unstaged one (log-probs
-// too large to stage) spills 4 bytes at 80 since the queue reads a parent once for its children
-// (tree_build_parallel.h, section 1').
+// too large to stage: L K > 4096, e.g. K >= 274 at L = 15) spills 4 bytes at 80 since the queue
+// reads a parent once for its children (tree_build_parallel.h, section 1'); not measured there
+// (the suites stage every case, sm_120's shared memory included).
 // The 96 cap on every launch (H200, bench.tree_ab, 2026-12-05): bs 1024 at budget 63 1.21x, where
 // two blocks a multiprocessor fit instead of three. So the launch takes the roomy kernel when
 // the grid fits the multiprocessors at its occupancy, or when its occupancy is the other's
