@@ -15,6 +15,13 @@ Backends:
                 sample, which ends with torch.cuda.synchronize() on a GPU
 Every backend's output is checked against engine.reference.ddtree.build_tree (the reference) before it is
 timed. Speedup of a native backend = median(sglang) / median(native) at the same (bs, budget).
+
+Beside the grid, on CUDA (params, and two lines under the table):
+  draws         native-cuda's kernel alone at bs 64, budget 63 (issue 15's first goal) on DRAWS
+                more draws, each validated: at bs 64 a build takes as long as its slowest
+                request, so the grid's one draw of that case says little about the next
+  graph_floor   a one-element torch fill timed the same way (kernel alone): the part of any
+                kernel-alone figure that is the graph's launch of a node, not the kernel's work
 """
 
 from __future__ import annotations
@@ -33,6 +40,9 @@ from bench.validate import TREE_FIELDS, check_exact, sample_requests
 
 NAME = "tree_build"
 L = 15
+# The case drawn again (bs, budget) and how many draws (draws, above).
+DRAW_CASE = (64, 63)
+DRAWS = 16
 # Every request's committed length: the SGLang-style path builds a [n, seq_len + n] bool mask per
 # request, so its cost grows with it; one fixed value keeps runs comparable.
 SEQ_LEN = 4096
@@ -150,16 +160,22 @@ def _native(lib, dev, name, inp, budget, ref, rows, bs, case, seed, quick) -> di
     return rec
 
 
-def _case(lib, devices, bs, budget, seed, quick) -> list:
+def _inputs(seed: int, bs: int, budget: int):
+    """A case's requests (the first draw of default_rng(seed)), the rows validated, and the
+    reference's trees of those rows."""
     from engine.reference import ddtree
 
-    rng = np.random.default_rng(seed)
-    K = min(budget, 64)
-    case = {"bs": bs, "budget": budget, "L": L, "K": K, "seq_len": SEQ_LEN}
-    inp = tree_inputs(rng, bs, L, K, seq_len=SEQ_LEN)
+    inp = tree_inputs(np.random.default_rng(seed), bs, L, min(budget, 64), seq_len=SEQ_LEN)
     rows = sample_requests(bs, budget)
     ref = ddtree.build_tree(*(inp[k][rows] for k in ("top_logp", "top_ids")), budget,
                             *(inp[k][rows] for k in ("root_ids", "seq_lens")))
+    return inp, rows, ref
+
+
+def _case(lib, devices, bs, budget, seed, quick) -> list:
+    K = min(budget, 64)
+    case = {"bs": bs, "budget": budget, "L": L, "K": K, "seq_len": SEQ_LEN}
+    inp, rows, ref = _inputs(seed, bs, budget)
     recs = []
     for dev in devices:
         for algo in ALGOS[dev]:
@@ -197,6 +213,64 @@ def _case(lib, devices, bs, budget, seed, quick) -> list:
     return recs
 
 
+def _draws(lib, seeds: list) -> tuple[dict, list]:
+    """native-cuda (the default build) on DRAW_CASE drawn once per seed: each draw validated,
+    then timed as the kernel alone. Returns the params entry and a record (backend
+    native-cuda-draws) for each draw that fails validation, which is not timed."""
+    import torch
+
+    bs, budget = DRAW_CASE
+    timed, alone, bad = [], [], []
+    for seed in seeds:
+        inp, rows, ref = _inputs(seed, bs, budget)
+        with side_stream("cuda"), tree_algo(ALGOS["cuda"][0]):
+            p = prepare_tree_build(lib, "cuda", inp, budget)
+            p.run()
+            torch.cuda.synchronize()
+            v = check_exact(p.outputs, ref, TREE_FIELDS, None if len(rows) == bs else rows)
+            if not v["ok"]:
+                bad.append(_rec("native-cuda-draws", {"bs": bs, "budget": budget, "L": L,
+                                                      "K": min(budget, 64), "seq_len": SEQ_LEN},
+                                v, seed=seed))
+                continue
+            alone.append(summarize(time_cuda_graph(p.run, calls=20, reps=20))["median"])
+            timed.append(seed)
+    return {"bs": bs, "budget": budget, "backend": "native-cuda", "seeds": timed,
+            "kernel_alone_s": alone, "invalid_seeds": [r["seed"] for r in bad],
+            "timing": "per draw: the median of 20 replays of 20 calls in one CUDA graph, / 20"}, bad
+
+
+def _graph_floor() -> dict:
+    """A one-element torch fill as the kernel alone, timed as the builds are."""
+    import torch
+
+    with side_stream("cuda"):
+        x = torch.zeros(1, device="cuda")
+        s = time_cuda_graph(lambda: x.fill_(1.0), calls=20, reps=20)
+    return {"summary": summarize(s), "samples": s,
+            "what": "torch fill_ of one float32 element, 20 calls in one CUDA graph, / 20"}
+
+
+def extras(params: dict) -> str:
+    """The lines under the table for params' draws and graph_floor (empty without them)."""
+    lines = []
+    d = params.get("draws")
+    if d and d.get("kernel_alone_s"):
+        us = sorted(x * 1e6 for x in d["kernel_alone_s"])
+        lines.append(f"native-cuda bs {d['bs']} budget {d['budget']}, {len(us)} more draws, "
+                     f"kernel alone: min {us[0]:.2f}, median {float(np.median(us)):.2f}, max "
+                     f"{us[-1]:.2f} us" + (f"; {len(d['invalid_seeds'])} draws INVALID"
+                                           if d.get("invalid_seeds") else ""))
+    elif d:
+        lines.append(f"native-cuda bs {d['bs']} budget {d['budget']} draws: none timed "
+                     f"({len(d.get('invalid_seeds') or [])} INVALID)")
+    f = params.get("graph_floor")
+    if f:
+        lines.append(f"graph floor (a one-element torch fill, kernel alone): "
+                     f"{f['summary']['median'] * 1e6:.2f} us")
+    return "\n".join(lines)
+
+
 def run(ctx) -> dict:
     import os
 
@@ -223,10 +297,17 @@ def run(ctx) -> dict:
             results += _case(lib, devices, bs, budget, seed, ctx.quick)
             done += 1
             ctx.progress(done, n_cases, f"bs={bs} budget={budget}")
+    if "cuda" in devices and not ctx.quick:
+        params["draws"], bad = _draws(lib, [int(root.spawn(1)[0].generate_state(1)[0])
+                                            for _ in range(DRAWS)])
+        results += bad
+        params["graph_floor"] = _graph_floor()
     # seconds of untimed device work before the process's first CUDA sample (bench.timing), or
     # None when nothing was timed on CUDA
     params["device_warmup_s"] = device_warmup_s()
-    return {"params": params, "results": results, "table": table(results)}
+    more = extras(params)
+    return {"params": params, "results": results,
+            "table": table(results) + ("\n" + more if more else "")}
 
 
 def table(results) -> str:

@@ -12,7 +12,9 @@ each of the run's kernels.json and tree_build.json on its own, from the kernel-a
 the default build (auto) and the CPU backend's calls, over every bs and budget the suite has.
 The CPU figure is its fast state where the record has one (`cpu_states`: the median of the runs
 of calls back to back that are within 1.25x of the fastest; bench/timing.py), else its median: the host toggles the CPU call between
-two speeds ~1.8x apart, and the goal "CUDA faster" is judged against the faster.
+two speeds ~1.8x apart, and the goal "CUDA faster" is judged against the faster. A tree_build
+suite that timed more draws of the first goal's case, and the graph floor, has them printed under
+its goals (not judged: the goals are the suite's grid).
 
     python3 -m bench.tree_goals --run results/h200/<run>
 """
@@ -99,6 +101,38 @@ def judge(us: dict) -> list[tuple[str, str, bool]]:
     return goals
 
 
+def spread(doc: dict) -> list[str]:
+    """The lines a tree_build suite adds beside the goals (bench/tree_build.py: its more draws
+    of the first goal's case, and the graph floor), or none; not judged. RunError names what is
+    malformed."""
+    params = doc.get("params") if isinstance(doc, dict) else None
+    if not isinstance(params, dict):
+        return []
+    out = []
+    try:
+        d = params.get("draws")
+        if d:
+            us = sorted(float(x) * 1e6 for x in d["kernel_alone_s"])
+            key = (int(d["bs"]), int(d["budget"]))
+            limit = 10.0 if key == BUILD_SMALL else None
+            if us:
+                out.append(f"  draws: bs {key[0]} budget {key[1]}, {len(us)} more draws, kernel "
+                           f"alone min {us[0]:.2f} / median {float(np.median(us)):.2f} / max "
+                           f"{us[-1]:.2f} us" + (f"; {sum(x <= limit for x in us)} of {len(us)} "
+                                                 f"<= {limit:g} us" if limit else ""))
+            if d.get("invalid_seeds"):
+                out.append(f"  draws: {len(d['invalid_seeds'])} INVALID (seeds "
+                           f"{d['invalid_seeds']})")
+        f = params.get("graph_floor")
+        if f:
+            out.append(f"  graph floor (a one-element torch fill, kernel alone): "
+                       f"{float(f['summary']['median']) * 1e6:.2f} us")
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        raise RunError(f"tree_build.json: params' draws or graph_floor is malformed "
+                       f"({type(e).__name__}: {e})") from None
+    return out
+
+
 def judged_times(us: dict) -> dict:
     """The live run's medians (("build", algo, bs, budget), ("accept", algo, bs, budget), ("cpu",
     bs, budget)) in judge's keys: the default build (auto) and accept (parallel), and the CPU."""
@@ -129,6 +163,8 @@ def judge_run(run: Path, out=print) -> int:
             for name, figures, ok in judge(suite_times(doc, suite)):
                 missed |= not ok
                 out(f"  {'PASS' if ok else 'FAIL'} {name}: {figures}")
+            for line in spread(doc) if suite == "tree_build" else ():
+                out(line)
     except RunError as e:
         print(f"bench.tree_goals: --run {run}: {e}", file=sys.stderr)
         return 2

@@ -4,6 +4,7 @@ SGLang-style path (a fake until engine.baselines.sglang_cpu lands, then the real
 
 from __future__ import annotations
 
+import secrets
 import sys
 import types
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 import bench
-from native_helpers import bench_library
+from native_helpers import bench_library, cuda_ready, skip_cuda_without_gpu  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.native
 
@@ -97,20 +98,8 @@ def test_attention_work_formula_by_hand():
 def test_a_wrong_kernel_output_is_caught_and_not_timed(ctx, monkeypatch):
     from bench import kernels, native_calls
 
-    real = native_calls.prepare_tree_build
-
-    def broken(lib, device, inp, budget):
-        p = real(lib, device, inp, budget)
-        run = p.run
-
-        def run_and_corrupt():
-            run()
-            p.outputs["parents"][0, 1] += 1
-
-        p.run = run_and_corrupt
-        return p
-
-    monkeypatch.setattr(kernels, "prepare_tree_build", broken)
+    monkeypatch.setattr(kernels, "prepare_tree_build",
+                        _corrupting(native_calls.prepare_tree_build))
     seed = int(np.random.SeedSequence().entropy % 2**32)
     recs = kernels._tree_and_accept(ctx.library, "cpu", 2, 15, np.random.default_rng(seed), seed,
                                     lambda fn: pytest.fail("timed an invalid output"))
@@ -171,6 +160,66 @@ def test_tree_build_validates_a_subsample_of_large_batches(ctx, monkeypatch):
     for r in recs:
         assert r["validation"]["ok"], (r["validation"], seed)
         assert r["validation"]["checked"] == "requests [0, 10, 19]"
+
+
+def test_tree_build_extras_name_the_draws_and_the_floor():
+    from bench import tree_build
+
+    assert tree_build.extras({}) == ""
+    lines = tree_build.extras({
+        "draws": {"bs": 64, "budget": 63, "kernel_alone_s": [1.1e-5, 9e-6, 1e-5],
+                  "invalid_seeds": [5]},
+        "graph_floor": {"summary": {"median": 2e-6}}}).splitlines()
+    assert lines == ["native-cuda bs 64 budget 63, 3 more draws, kernel alone: min 9.00, median "
+                     "10.00, max 11.00 us; 1 draws INVALID",
+                     "graph floor (a one-element torch fill, kernel alone): 2.00 us"]
+    assert tree_build.extras({"draws": {"bs": 64, "budget": 63, "kernel_alone_s": [],
+                                        "invalid_seeds": [5, 6]}}) == \
+        "native-cuda bs 64 budget 63 draws: none timed (2 INVALID)"
+
+
+def _corrupting(real):
+    def prepare(lib, device, inp, budget):
+        p = real(lib, device, inp, budget)
+        run = p.run
+
+        def run_and_corrupt():
+            run()
+            p.outputs["parents"][0, 1] += 1
+
+        p.run = run_and_corrupt
+        return p
+
+    return prepare
+
+
+@pytest.mark.cuda
+def test_tree_build_draws_are_validated_then_timed_each(cuda_ready, monkeypatch):
+    from bench import tree_build
+
+    lib = bench_library()
+    seeds = [secrets.randbits(32) for _ in range(2)]
+    d, bad = tree_build._draws(lib, seeds)
+    assert not bad and d["seeds"] == seeds and d["invalid_seeds"] == [], f"seeds {seeds}"
+    assert (d["bs"], d["budget"]) == tree_build.DRAW_CASE
+    assert len(d["kernel_alone_s"]) == 2 and all(0 < x < 1e-3 for x in d["kernel_alone_s"])
+    # A wrong tree is a failed record (the suite's status says invalid), and is not timed.
+    monkeypatch.setattr(tree_build, "prepare_tree_build",
+                        _corrupting(tree_build.prepare_tree_build))
+    monkeypatch.setattr(tree_build, "time_cuda_graph",
+                        lambda *a, **k: pytest.fail("timed an invalid draw"))
+    d, bad = tree_build._draws(lib, seeds[:1])
+    assert d["seeds"] == [] and d["kernel_alone_s"] == [] and d["invalid_seeds"] == seeds[:1]
+    assert [r["backend"] for r in bad] == ["native-cuda-draws"]
+    assert not bad[0]["validation"]["ok"] and "parents[(0, 1)]" in bad[0]["validation"]["error"]
+
+
+@pytest.mark.cuda
+def test_the_graph_floor_is_a_kernel_alone_time(cuda_ready):
+    from bench import tree_build
+
+    f = tree_build._graph_floor()
+    assert 0 < f["summary"]["median"] < 1e-4 and len(f["samples"]) == 20
 
 
 def test_real_sglang_baseline_agrees(ctx):

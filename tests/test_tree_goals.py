@@ -141,6 +141,42 @@ def test_run_without_a_goal_case_fails_it_as_missing(tmp_path, capsys):
     assert "FAIL build bs 64 budget 1023 <= 60 us: missing" in capsys.readouterr().out
 
 
+def _with_spread(run, params):
+    f = run / "tree_build.json"
+    doc = json.loads(f.read_text())
+    doc["params"] = params
+    f.write_text(json.dumps(doc))
+    return run
+
+
+def test_the_tree_build_suites_draws_and_floor_are_printed_not_judged(tmp_path, capsys):
+    gpu, cpu = _met()
+    draws = [9.1, 10.4, 9.8, 10.0, 11.2]
+    run = _with_spread(_suite_files(tmp_path, gpu, cpu), {
+        "draws": {"bs": 64, "budget": 63, "seeds": [1, 2, 3, 4, 5],
+                  "kernel_alone_s": [x * 1e-6 for x in draws], "invalid_seeds": []},
+        "graph_floor": {"summary": {"median": 2.25e-6}}})
+    assert tree_goals.main(["--run", str(run)]) == 0  # the suite's own case (9.50 us) is judged
+    out = capsys.readouterr().out
+    assert ("  draws: bs 64 budget 63, 5 more draws, kernel alone min 9.10 / median 10.00 / "
+            "max 11.20 us; 3 of 5 <= 10 us") in out
+    assert "  graph floor (a one-element torch fill, kernel alone): 2.25 us" in out
+    assert out.count("draws:") == 1  # the tree_build suite's only
+
+
+def test_invalid_draws_are_named_and_malformed_ones_refused(tmp_path, capsys):
+    gpu, cpu = _met()
+    run = _with_spread(_suite_files(tmp_path, gpu, cpu), {
+        "draws": {"bs": 64, "budget": 63, "seeds": [], "kernel_alone_s": [],
+                  "invalid_seeds": [77]}})
+    tree_goals.main(["--run", str(run)])
+    assert "  draws: 1 INVALID (seeds [77])" in capsys.readouterr().out
+    _with_spread(run, {"draws": {"bs": 64, "kernel_alone_s": [1e-5]}})
+    assert tree_goals.main(["--run", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "params' draws or graph_floor is malformed (KeyError: 'budget')" in err
+
+
 @pytest.mark.parametrize("make, message", [
     (lambda p: p / "absent", "no such folder"),
     (lambda p: p, "neither kernels.json nor tree_build.json is there"),
