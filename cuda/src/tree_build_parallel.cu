@@ -249,7 +249,14 @@ __global__ void __maxnreg__(kRoomy ? 96 : 80)
   blk.print_marks();
 }
 
-// The four instantiations, and what the launch needs of them (once per device).
+// The four instantiations, and what the launch needs of them (once per device). (Each also
+// split in two, one with the queue alone for the budgets and families it takes, declining an
+// overflow to the serial selection, one with the levels alone: the queue's took 72 registers
+// (dense) and 80 (roomy), the levels' 80 and 84-92, none spilled. H100, bench.tree_ab against
+// these four, kernel alone, seeds 15 / 5: budget 63 bs 1-64 0.983-0.991x, bs 1024 0.979x, but
+// bs 256 1.056 / 1.031x (the 80-register kernel counts as roomy and fits three blocks a
+// multiprocessor, no longer two); budgets 33 and 47 0.975-0.982x; 127-1023 1.000-1.010x.
+// Not kept: twice the instantiations for ~1.5% at bs 64, against 3-6% at bs 256.)
 constexpr void (*kKernels[2][2])(TreeBuildArgs, int, int, int, const tree::par::Consts) = {
     {tree_build_parallel_kernel<false, false>, tree_build_parallel_kernel<false, true>},
     {tree_build_parallel_kernel<true, false>, tree_build_parallel_kernel<true, true>}};

@@ -422,24 +422,30 @@ KDT_HD double child_score(const float* row, double s, int r, int d) {
 // write a child, behind a fence): H200, bench.tree_ab against it, budget 63 0.94x at bs 64,
 // 0.96x at bs 1024, 0.99-1.00x at bs 1, 4 and 256, 1.02x at bs 16; budget 47 0.98-0.99x.
 // Expanding whole rank-0 chains at once (an entry's chain nodes scored from the chain's prefix
-// sums, their runs placed together; the root's chain by the block) cut the batches on paper
-// but cost 2.5-3.0k cycles a batch before its allocation: with the order above, 1.81x at bs 64,
-// budget 63 (8f7e796, reverted). Measured again with the first runs (each entry of rank >= 1 and
-// the first runs' tail a head, a rank-0 entry never expanded; bench inputs at budget 63: at most
-// 3 batches a path against 7 levels), bit-exact (the CUDA tree tests passed), H200,
-// bench.tree_ab, budget 63, two draws: each child finding its unit by walking its head's chain,
-// bs 64 1.42-1.59x, bs 1 1.13-1.17x, bs 4-1024 1.28-1.50x; the units flattened a lane each (a
-// second counting pass past 32 units), bs 64 1.87-2.08x, bs 1 1.18-1.21x; budgets 33 and 47
-// 1.04-1.40x. The slowest warp still expands the same nodes, each at a higher cost: the queue is
-// bound by a warp's serial work, not by its depth. The root's chain alone, by the block before the
-// queue (each chain node's run at or above t, placed by blk.offsets, written in one phase; the
-// chain nodes then not expanded again): the median block ran 3 batches instead of 5, but the phase
-// took 3.3k cycles against the root's run's 1.0k. H200, bench.tree_ab, budget 63, three draws: bs
-// 64 0.90x, 0.94x and 1.00x; bs 256 0.87-0.92x; bs 4 0.89-1.08x; bs 1 1.01-1.09x; budget 32 at bs
-// 64 1.08x. Counting the runs in every warp's lanes instead (no barrier before the writes) took
-// 2.7k cycles and made every later batch slower (its run lengths 620 -> 1370 cycles), 1.03-1.26x.
-// Neither kept. The first two runs of that chain instead (kChainRuns), counted by every thread
-// alike and written in the root's phase, with no phase of their own: kept.
+// sums, their runs placed together; the root's chain by the block) cut the batches on paper but
+// cost 2.5-3.0k cycles a batch before its allocation: with the order above, 1.81x at bs 64, budget
+// 63 (8f7e796, reverted). Measured again with the first runs (each entry of rank >= 1 and the first
+// runs' tail a head, a rank-0 entry never expanded; bench inputs at budget 63: at most 3 batches a
+// path against 7 levels), bit-exact (the CUDA tree tests passed), H200, bench.tree_ab, budget 63,
+// two draws: each child finding its unit by walking its head's chain, bs 64 1.42-1.59x, bs 1
+// 1.13-1.17x, bs 4-1024 1.28-1.50x; the units flattened a lane each (a second counting pass past 32
+// units), bs 64 1.87-2.08x, bs 1 1.18-1.21x; budgets 33 and 47 1.04-1.40x. A third time on today's
+// queue (each batch of up to 32 entries expanding each entry's spine, a spine node a lane, up to 32
+// of them, else the batch's entries alone; the CPU emulation the same; bit-exact, 208 CUDA tree
+// tests passed): a replay of the suites' draws of run 20261205T164124Z put the deepest warp's
+// batches at 1.7 on average and at most 3, against 2.7 and 5, but H100, bench.tree_ab against
+// main's kernel, seed 15: budget 63 1.10-1.16x at bs 1-1024, 33 and 47 1.05-1.17x, 255 (no queue:
+// the code alone) 1.045x; the run's draws at bs 64 1.36x and 1.45x. The slowest warp still expands
+// the same nodes, each at a higher cost: the queue is bound by a warp's serial work, not by its
+// depth. The root's chain alone, by the block before the queue (each chain node's run at or above
+// t, placed by blk.offsets, written in one phase; the chain nodes then not expanded again): the
+// median block ran 3 batches instead of 5, but the phase took 3.3k cycles against the root's run's
+// 1.0k. H200, bench.tree_ab, budget 63, three draws: bs 64 0.90x, 0.94x and 1.00x; bs 256
+// 0.87-0.92x; bs 4 0.89-1.08x; bs 1 1.01-1.09x; budget 32 at bs 64 1.08x. Counting the runs in
+// every warp's lanes instead (no barrier before the writes) took 2.7k cycles and made every later
+// batch slower (its run lengths 620 -> 1370 cycles), 1.03-1.26x. Neither kept. The first two runs
+// of that chain instead (kChainRuns), counted by every thread alike and written in the root's
+// phase, with no phase of their own: kept.
 
 // The exactness check's verdict over some log-probs: kAnomaly | kInexact, and the lowest set
 // bit and the top bit exponents of the nonzero ones (1 << 30 and -(1 << 30) when there are none).
