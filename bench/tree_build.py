@@ -251,23 +251,27 @@ def _graph_floor() -> dict:
             "what": "torch fill_ of one float32 element, 20 calls in one CUDA graph, / 20"}
 
 
-def extras(params: dict) -> str:
-    """The lines under the table for params' draws and graph_floor (empty without them)."""
+def extras(params: dict, limit: float | None = None) -> str:
+    """The lines under the table for params' draws and graph_floor (empty without them); with
+    `limit` (us), how many draws it holds. A malformed entry raises KeyError, TypeError or
+    ValueError."""
     lines = []
     d = params.get("draws")
-    if d and d.get("kernel_alone_s"):
-        us = sorted(x * 1e6 for x in d["kernel_alone_s"])
-        lines.append(f"native-cuda bs {d['bs']} budget {d['budget']}, {len(us)} more draws, "
-                     f"kernel alone: min {us[0]:.2f}, median {float(np.median(us)):.2f}, max "
-                     f"{us[-1]:.2f} us" + (f"; {len(d['invalid_seeds'])} draws INVALID"
-                                           if d.get("invalid_seeds") else ""))
-    elif d:
-        lines.append(f"native-cuda bs {d['bs']} budget {d['budget']} draws: none timed "
-                     f"({len(d.get('invalid_seeds') or [])} INVALID)")
+    if d:
+        us = sorted(float(x) * 1e6 for x in d["kernel_alone_s"])
+        bad = len(d.get("invalid_seeds") or [])
+        head = f"native-cuda bs {int(d['bs'])} budget {int(d['budget'])}"
+        if us:
+            lines.append(f"{head}, {len(us)} more draws, kernel alone: min {us[0]:.2f}, median "
+                         f"{float(np.median(us)):.2f}, max {us[-1]:.2f} us"
+                         + (f"; {sum(x <= limit for x in us)} of {len(us)} <= {limit:g} us"
+                            if limit else "") + (f"; {bad} draws INVALID" if bad else ""))
+        else:
+            lines.append(f"{head} draws: none timed ({bad} INVALID)")
     f = params.get("graph_floor")
     if f:
         lines.append(f"graph floor (a one-element torch fill, kernel alone): "
-                     f"{f['summary']['median'] * 1e6:.2f} us")
+                     f"{float(f['summary']['median']) * 1e6:.2f} us")
     return "\n".join(lines)
 
 

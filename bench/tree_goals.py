@@ -105,32 +105,19 @@ def spread(doc: dict) -> list[str]:
     """The lines a tree_build suite adds beside the goals (bench/tree_build.py: its more draws
     of the first goal's case, and the graph floor), or none; not judged. RunError names what is
     malformed."""
+    from bench.tree_build import extras
+
     params = doc.get("params") if isinstance(doc, dict) else None
     if not isinstance(params, dict):
         return []
-    out = []
     try:
         d = params.get("draws")
-        if d:
-            us = sorted(float(x) * 1e6 for x in d["kernel_alone_s"])
-            key = (int(d["bs"]), int(d["budget"]))
-            limit = 10.0 if key == BUILD_SMALL else None
-            if us:
-                out.append(f"  draws: bs {key[0]} budget {key[1]}, {len(us)} more draws, kernel "
-                           f"alone min {us[0]:.2f} / median {float(np.median(us)):.2f} / max "
-                           f"{us[-1]:.2f} us" + (f"; {sum(x <= limit for x in us)} of {len(us)} "
-                                                 f"<= {limit:g} us" if limit else ""))
-            if d.get("invalid_seeds"):
-                out.append(f"  draws: {len(d['invalid_seeds'])} INVALID (seeds "
-                           f"{d['invalid_seeds']})")
-        f = params.get("graph_floor")
-        if f:
-            out.append(f"  graph floor (a one-element torch fill, kernel alone): "
-                       f"{float(f['summary']['median']) * 1e6:.2f} us")
+        key = (int(d["bs"]), int(d["budget"])) if d else None
+        text = extras(params, 10.0 if key == BUILD_SMALL else None)
     except (AttributeError, KeyError, TypeError, ValueError) as e:
         raise RunError(f"tree_build.json: params' draws or graph_floor is malformed "
                        f"({type(e).__name__}: {e})") from None
-    return out
+    return ["  " + line for line in text.splitlines()]
 
 
 def judged_times(us: dict) -> dict:

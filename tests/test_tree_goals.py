@@ -158,10 +158,10 @@ def test_the_tree_build_suites_draws_and_floor_are_printed_not_judged(tmp_path, 
         "graph_floor": {"summary": {"median": 2.25e-6}}})
     assert tree_goals.main(["--run", str(run)]) == 0  # the suite's own case (9.50 us) is judged
     out = capsys.readouterr().out
-    assert ("  draws: bs 64 budget 63, 5 more draws, kernel alone min 9.10 / median 10.00 / "
+    assert ("  native-cuda bs 64 budget 63, 5 more draws, kernel alone: min 9.10, median 10.00, "
             "max 11.20 us; 3 of 5 <= 10 us") in out
     assert "  graph floor (a one-element torch fill, kernel alone): 2.25 us" in out
-    assert out.count("draws:") == 1  # the tree_build suite's only
+    assert out.count("more draws") == 1  # the tree_build suite's only
 
 
 def test_invalid_draws_are_named_and_malformed_ones_refused(tmp_path, capsys):
@@ -170,7 +170,7 @@ def test_invalid_draws_are_named_and_malformed_ones_refused(tmp_path, capsys):
         "draws": {"bs": 64, "budget": 63, "seeds": [], "kernel_alone_s": [],
                   "invalid_seeds": [77]}})
     tree_goals.main(["--run", str(run)])
-    assert "  draws: 1 INVALID (seeds [77])" in capsys.readouterr().out
+    assert "  native-cuda bs 64 budget 63 draws: none timed (1 INVALID)" in capsys.readouterr().out
     _with_spread(run, {"draws": {"bs": 64, "kernel_alone_s": [1e-5]}})
     assert tree_goals.main(["--run", str(run)]) == 2
     err = capsys.readouterr().err
@@ -207,6 +207,17 @@ def test_a_committed_h200_run_is_read_with_its_real_schema(capsys):
     assert "FAIL build bs 64 budget 63 <= 10 us: 11.56 us" in out  # tree_build suite
     assert "PASS accept bs 64 budget 255 <= 4 us: 3.38 us" in out
     assert out.count("CPU faster at 1 of 20") == 2
+
+
+def test_a_committed_runs_draws_and_floor_are_read_with_their_real_schema(capsys):
+    run = Path(__file__).resolve().parents[1] / "results/h200/20261205T183702Z-1052ab6-dirty-bench"
+    if not run.is_dir():
+        pytest.skip(f"{run} is not in this checkout")
+    assert tree_goals.main(["--run", str(run)]) == 1  # bs 64 budget 63 and the CPU are open
+    out = capsys.readouterr().out
+    assert ("  native-cuda bs 64 budget 63, 16 more draws, kernel alone: min 9.87, median 10.73, "
+            "max 11.22 us; 2 of 16 <= 10 us") in out
+    assert "  graph floor (a one-element torch fill, kernel alone): 1.11 us" in out
 
 
 def test_the_live_runs_medians_are_judged_like_a_fetched_runs():
