@@ -172,9 +172,12 @@ def _inputs(seed: int, bs: int, budget: int):
     return inp, rows, ref
 
 
+def _case_of(bs: int, budget: int) -> dict:
+    return {"bs": bs, "budget": budget, "L": L, "K": min(budget, 64), "seq_len": SEQ_LEN}
+
+
 def _case(lib, devices, bs, budget, seed, quick) -> list:
-    K = min(budget, 64)
-    case = {"bs": bs, "budget": budget, "L": L, "K": K, "seq_len": SEQ_LEN}
+    case = _case_of(bs, budget)
     inp, rows, ref = _inputs(seed, bs, budget)
     recs = []
     for dev in devices:
@@ -229,9 +232,7 @@ def _draws(lib, seeds: list) -> tuple[dict, list]:
             torch.cuda.synchronize()
             v = check_exact(p.outputs, ref, TREE_FIELDS, None if len(rows) == bs else rows)
             if not v["ok"]:
-                bad.append(_rec("native-cuda-draws", {"bs": bs, "budget": budget, "L": L,
-                                                      "K": min(budget, 64), "seq_len": SEQ_LEN},
-                                v, seed=seed))
+                bad.append(_rec("native-cuda-draws", _case_of(bs, budget), v, seed=seed))
                 continue
             alone.append(summarize(time_cuda_graph(p.run, calls=20, reps=20))["median"])
             timed.append(seed)
