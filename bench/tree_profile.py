@@ -17,6 +17,11 @@ registers, shared-memory stores and about 130 cycles a mark, so cycles here run 
 build's; compare phases within one profile, and take absolute times from the kernels suite.
 A block's output-writing phases (96, 97, 99) can stall for tens of thousands of cycles while
 other blocks print: read the slowest block's earlier phases, not those.
+
+The calls run one by one (eager launches), or with --graph captured in one CUDA graph and
+replayed, as the suites time the kernel alone. Phase 15 is the wait for the kernel before
+(programmatic dependent launch: the block starts early and waits there), so a phase after it
+is the build's own.
 """
 
 from __future__ import annotations
@@ -31,14 +36,16 @@ from dataclasses import dataclass
 # that ends there; 100 + d, 200 + d and 300 + d are level d's; 70, 71 and 72 repeat for each of
 # warp 0's batches in the queue (GpuBlock::expand), and 7 then holds the wait for the other warps.
 PHASES = {
-    10: "staging: start, first entries", 11: "staging: loaded, checked",
+    15: "staging: the wait for the kernel before", 10: "staging: start",
+    11: "staging: loaded, checked",
     12: "staging: warps' verdicts", 13: "staging: chain sums", 14: "staging: barrier",
     0: "staging", 1: "exactness check, chain sums", 2: "exactness verdict",
     20: "family sized", 21: "family's lowest score", 4: "bins made",
     5: "histogram pass", 3: "first threshold", 6: "queue: the first runs", 7: "queue: drained",
     70: "queue: a batch's run lengths", 71: "queue: its runs placed",
     72: "queue: its children written",
-    80: "order: buckets", 81: "order: ranks", 85: "order: placed", 82: "nodes", 96: "slots",
+    86: "order: binned", 80: "order: bins scanned", 85: "order: placed", 81: "order: ranks",
+    82: "nodes", 96: "slots",
     97: "visibility zeroed", 99: "visibility rows",
     60: "warp: waiting to start", 61: "warp: prologue (loads)", 62: "warp: pops",
     69: "warp: outputs",
@@ -105,20 +112,28 @@ def summary(blocks: list[Block]) -> str:
     return "\n".join(lines)
 
 
-def _child(budget: int, bs: int, seed: int, calls: int) -> None:
-    """Runs the build `calls` times on CUDA (its device printf goes to this process's stdout)."""
+def _child(budget: int, bs: int, seed: int, calls: int, graph: bool = False) -> None:
+    """Runs the build `calls` times on CUDA (its device printf goes to this process's stdout):
+    one launch after another, or with `graph` once alone and then `calls` launches captured in
+    a CUDA graph, replayed twice (bench.timing.time_cuda_graph's way, on a side stream)."""
     import numpy as np
     import torch
 
     from bench.inputs import tree_inputs
     from bench.native_calls import prepare_tree_build
+    from bench.timing import time_cuda_graph
+    from bench.tree_algo import side_stream
     from engine.native import library
 
     inp = tree_inputs(np.random.default_rng(seed), bs, 15, min(budget, 64))
-    p = prepare_tree_build(library(), "cuda", inp, budget)
-    for _ in range(calls):
-        p.run()
-    torch.cuda.synchronize()
+    with side_stream("cuda"):
+        p = prepare_tree_build(library(), "cuda", inp, budget)
+        if graph:
+            time_cuda_graph(p.run, calls=calls, reps=1, warmup=1, min_reps=1)
+        else:
+            for _ in range(calls):
+                p.run()
+        torch.cuda.synchronize()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bs", type=int, default=1)
     ap.add_argument("--seed", type=int, default=5)
     ap.add_argument("--calls", type=int, default=3, help="builds; the last one is shown")
+    ap.add_argument("--graph", action="store_true",
+                    help="capture the calls in a CUDA graph and replay it (the suites' kernel "
+                         "alone) instead of launching them one by one")
     ap.add_argument("--algo", choices=("parallel", "warp"), default="parallel",
                     help="the build to profile (KDT_TREE_BUILD); default parallel")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -137,11 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     if a.algo == "warp" and a.budget > 1023:
         ap.error("--algo warp takes budgets up to 1023")
     if a.child:
-        _child(a.budget, a.bs, a.seed, a.calls)
+        _child(a.budget, a.bs, a.seed, a.calls, a.graph)
         return 0
     env = dict(os.environ, KDT_TREE_BUILD=a.algo)
     cmd = [sys.executable, "-m", "bench.tree_profile", "--child", "--budget", str(a.budget),
            "--bs", str(a.bs), "--seed", str(a.seed), "--calls", str(a.calls)]
+    cmd += ["--graph"] if a.graph else []
     try:
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600,
                            check=False)
@@ -157,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"tree_profile: {e}", file=sys.stderr)
         return 1
-    print(f"budget {a.budget}, bs {a.bs}, seed {a.seed}, {a.algo} build")
+    print(f"budget {a.budget}, bs {a.bs}, seed {a.seed}, {a.algo} build, "
+          f"{'a CUDA graph replayed' if a.graph else 'launched one by one'}")
     print(summary(blocks))
     return 0
 

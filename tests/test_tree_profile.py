@@ -3,6 +3,8 @@ needs a KDT_PAR_PROFILE build on CUDA and is not run here)."""
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
 from bench import tree_profile
@@ -87,3 +89,20 @@ def test_warp_algo_refuses_budget_1024(capsys):
         tree_profile.main(["--algo", "warp", "--budget", "1024"])
     assert e.value.code == 2
     assert "--algo warp takes budgets up to 1023" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_graph_flag_reaches_the_child_and_the_header(monkeypatch, capsys, graph):
+    seen = {}
+
+    def fake_run(cmd, env, **kw):
+        seen["cmd"], seen["algo"] = cmd, env["KDT_TREE_BUILD"]
+        return subprocess.CompletedProcess(cmd, 0, stdout=TEXT, stderr="")
+
+    monkeypatch.setattr(tree_profile.subprocess, "run", fake_run)
+    assert tree_profile.main(["--budget", "63", "--bs", "2"] + (["--graph"] if graph else [])) == 0
+    assert ("--graph" in seen["cmd"]) == graph and seen["algo"] == "parallel"
+    out = capsys.readouterr().out
+    assert ("a CUDA graph replayed" in out) == graph
+    assert ("launched one by one" in out) != graph
+    assert "2 block(s)" in out

@@ -154,6 +154,7 @@ __global__ void __maxnreg__(kRoomy ? 96 : 80)
   // 1-1024).
   if (kStaged) tree::par::first_entries(A, threadIdx.x, blockDim.x);
   pdl_enter();  // before any global access (pdl.cuh); the parameters are read above it
+  blk.mark(15);
   if ((int)(threadIdx.x >> 5) == nw - 1) {
     warp_prefetch_l1(ids, lk * sizeof(int64_t), lane);
     if (lane < 2) meta[lane] = __ldg(mp);

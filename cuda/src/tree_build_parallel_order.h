@@ -85,6 +85,7 @@ KDT_HD int order_nodes(Block& blk, const Shared& S, const Arrays& A, const Nodes
       A.cnt[e] = (bk << 16) | hist_add(A.hist, bk);
     }
   });
+  blk.mark(86);
   const int kept_n = blk.scan(A.hist, A.nord);  // hist: each bucket's first position
   blk.mark(80);
   // Bucket by bucket: the entries (srt), and with two copies their scores and keys beside them in
