@@ -132,11 +132,7 @@ def summary(name: str, rows: list[Row], min_share: float = 0.5) -> str:
     total = sum(r.samples for r in rows) or 1.0
     ran = [r for r in rows if r.executed]
     lines = len({r.address // LINE_BYTES for r in ran})
-    overall: dict[str, float] = {}
-    for r in rows:
-        for k, v in r.reasons.items():
-            overall[k] = overall.get(k, 0.0) + v
-    top = sorted(overall.items(), key=lambda kv: -kv[1])[:6]
+    top = sorted(Region(0, 0, rows).reasons().items(), key=lambda kv: -kv[1])[:6]
     out = [f"{name}",
            f"samples {total:.0f}; instructions executed {sum(r.executed for r in rows)}; "
            f"{len(ran)} of {len(rows)} instructions ran, on {lines} lines of {LINE_BYTES} bytes "
