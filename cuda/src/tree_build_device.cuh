@@ -94,6 +94,7 @@ __device__ int warp_build_one(const float* lp, int L, int K, int budget, const t
 // emits the row's words from the last down (the warp writer: a lane per row).
 __device__ void write_visibility_rows(uint32_t* vis, int n, int W, int used,
                                       const uint32_t* node_cand, int first, int stride) {
+  KDT_NO_UNROLL
   for (int i = first; i < n; i += stride) {
     uint32_t* row = vis + (size_t)i * W;
     int cw = W - 1;
@@ -175,7 +176,8 @@ __device__ void write_outputs(const TreeBuildArgs& a, int b, int n, int W, int u
     // 63), bs 64 at budget 33 0.998-0.999x; budgets <= 31 (the warp build) are untouched. The
     // profile's slots phase was ~0.8k of the slowest block's 17.9k cycles at bs 64, budget 63:
     // this takes a small part of it.
-    const int g = threadIdx.x / q, i = threadIdx.x - g * q;
+    const int t = threadIdx.x;
+    const int g = (t >= q) + (t >= 2 * q) + (t >= 3 * q), i = t - g * q;  // t / q, t < 4 q
     if (g < 3) {
       if (i < n)
         write_tree_slot(a, o, i, used, root, seq_len, node_cand, node_score, fc, ns, ids,
@@ -187,6 +189,7 @@ __device__ void write_outputs(const TreeBuildArgs& a, int b, int n, int W, int u
     mark(96);
     return;
   }
+  KDT_NO_UNROLL
   for (int i = threadIdx.x; i < n; i += blockDim.x)
     write_tree_slot(a, o, i, used, root, seq_len, node_cand, node_score, fc, ns, ids);
   mark(96);
@@ -197,7 +200,8 @@ __device__ void write_outputs(const TreeBuildArgs& a, int b, int n, int W, int u
   // 127-1023, whose rows take more than two words and follow a barrier, 1.000-1.004x). Rows of
   // at most two words: each thread writes its rows whole (zeros included), with no zeroing pass
   // and no barrier; wider rows zero the block first (block_write_visibility).
-  const int first = (threadIdx.x + (blockDim.x >> 6) * 32) % blockDim.x;
+  const int half = threadIdx.x + (blockDim.x >> 6) * 32;  // < 2 blockDim.x
+  const int first = half >= (int)blockDim.x ? half - (int)blockDim.x : half;
   if (W <= 2)
     write_visibility_rows(a.visibility + o * W, n, W, used, node_cand, first, blockDim.x);
   else

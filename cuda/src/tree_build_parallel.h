@@ -165,11 +165,13 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
           if (a >= w) { a -= w; ++r2; }
         }
       }
+      KDT_NO_UNROLL
       for (int j = from_thread(t, C.oE, T); j < next * E; j += T) {  // few
         const int e = 1 + div_by(j, C.mnext), x = j - (e - 1) * next;
         const int r1 = 1 + div_by(x, C.mh), r2 = x - (r1 - 1) * h;
         f(((double)lp[r1] + (double)lp[(size_t)K + r2]) + (A.chain[2 + e] - A.chain[2]));
       }
+      KDT_NO_UNROLL
       for (int j = from_thread(t, C.oC, T); j < C.ncube; j += T) {
         // (a, b, c): ab = q a + b >= 1, c >= 1
         const int ab = 1 + div_by(j, C.mq1), c3 = 1 + j - (ab - 1) * (C.q - 1);
@@ -233,6 +235,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
     }
     const int n0 = cp[kChainRuns];
     blk.run([&](int t) {
+      KDT_NO_UNROLL
       for (int k = 1 + t; k < n0; k += T) {
         // k's run d, its first entry, its parent's entry and score (selects: the arrays stay
         // in registers)
@@ -251,6 +254,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
         P.cand[k] = pack((uint32_t)parent, (uint32_t)r, (uint32_t)(d + 1));
       }
       if (t == 0) S.work = (unsigned)n0;
+      KDT_NO_UNROLL
       for (int i = t; i < kBins; i += T) A.hist[i] = 0;  // the order's, here without a barrier
     });
     hist_clean = true;
@@ -380,6 +384,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
         // run lengths).
         if (!bd.has && S.pmin == ~0ull) continue;
         blk.run([&](int t) {
+          KDT_NO_UNROLL
           for (int i = t; i < kBins; i += T) A.hist[i] = 0;
           if (bd.has) return;
           unsigned long long lo = ~0ull;
@@ -416,6 +421,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
       const Pool P = A.pool(c);
       const int m = le - lb;
       blk.run([&](int t) {
+        KDT_NO_UNROLL
         for (int i = t; i < kBins; i += T) A.hist[i] = 0;  // for a refinement next
         unsigned long long lo = ~0ull;
         for (int k = t; k < total; k += T) {

@@ -72,11 +72,13 @@ KDT_HD int order_nodes(Block& blk, const Shared& S, const Arrays& A, const Nodes
   // unless a refinement ran after the last level's write.
   if (!hist_clean) {
     blk.run([&](int t) {
+      KDT_NO_UNROLL
       for (int i = t; i < kBins; i += T) A.hist[i] = 0;
     });
   }
   blk.run([&](int t) {
     if (t == 0) A.inv[0] = 0;
+    KDT_NO_UNROLL
     for (int e = 1 + t; e < n; e += T) {
       A.inv[e] = 0;
       const double s = P.score[e];
@@ -94,6 +96,7 @@ KDT_HD int order_nodes(Block& blk, const Shared& S, const Arrays& A, const Nodes
   const bool twin = A.twin;
   const Pool Q = twin ? A.pool(c ^ 1) : P;
   blk.run([&](int t) {
+    KDT_NO_UNROLL
     for (int e = 1 + t; e < n; e += T) {
       const int v = A.cnt[e];
       if (v < 0) continue;
@@ -110,7 +113,9 @@ KDT_HD int order_nodes(Block& blk, const Shared& S, const Arrays& A, const Nodes
   blk.run([&](int t) {
     // Every node's child list starts empty (the nodes phase then links the parents: written
     // here, a phase ahead, so that the two writes to a parent's first_child are ordered).
+    KDT_NO_UNROLL
     for (int i = t; i < used; i += T) N.first_child[i] = -1;
+    KDT_NO_UNROLL
     for (int q = t; q < kept_n; q += T) {
       const int e = A.srt[q], bk = A.cnt[e] >> 16;
       const int b0 = A.hist[bk], b1 = bk + 1 < A.nord ? A.hist[bk + 1] : kept_n;
@@ -163,6 +168,7 @@ KDT_HD int order_nodes(Block& blk, const Shared& S, const Arrays& A, const Nodes
   // ---- nodes: order[r] is the entry of node r + 1 (one phase) -------------------------------
   blk.run([&](int t) {
     if (t == 0) { N.score[0] = 0.0; N.cand[0] = 0; N.next_sibling[0] = -1; }
+    KDT_NO_UNROLL
     for (int i = 1 + t; i < used; i += T) {
       const int e = A.order[i - 1];
       const uint32_t cd = P.cand[e];

@@ -476,6 +476,7 @@ struct Checked {
 // zeroed (all nord buckets: the refinements use the first kBins, the order all of them).
 KDT_HD void first_entries(const Arrays& A, int t, int T) {
   if (t == 0) { A.p0.score[0] = 0.0; A.p0.cand[0] = 0; A.p0.key[0] = 0; }
+  KDT_NO_UNROLL
   for (int i = t; i < A.nord; i += T) A.hist[i] = 0;
 }
 // The first phase's work for thread t of T, when the caller has not done it (build's pre): its

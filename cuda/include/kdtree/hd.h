@@ -7,3 +7,14 @@
 #else
 #define KDT_HD inline
 #endif
+
+// KDT_NO_UNROLL before a loop: device code keeps it rolled (`#pragma unroll 1`); elsewhere it is
+// nothing. For a block-strided loop (i = t, t + T, ...) that runs once or twice a thread: nvcc
+// unrolls such loops four times behind a trip count that costs a division by the run-time T
+// (about 20 instructions on the thread's chain) and puts the copies it rarely runs between the
+// code that does run.
+#if defined(__CUDA_ARCH__)
+#define KDT_NO_UNROLL _Pragma("unroll 1")
+#else
+#define KDT_NO_UNROLL
+#endif
