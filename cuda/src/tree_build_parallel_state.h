@@ -364,6 +364,7 @@ KDT_HD int refine(Block& blk, const Arrays& A, Bound& bd, double lo, double hi, 
     if (!make_bins(lo, hi, kBinsLog2, g, bins)) break;
     if (pass > 0) {
       blk.run([&](int t) {
+        KDT_NO_UNROLL
         for (int i = t; i < kBins; i += blk.threads()) A.hist[i] = 0;
       });
     }
