@@ -33,6 +33,14 @@
 //     cycles more (binning after the queue instead, each warp its own entries once it has no
 //     batch left: no cheaper); seeds 15 and 5, five variants: budget 63 1.00-1.13x at bs 1-1024,
 //     budgets 33 and 47 1.02-1.07x at bs 64 and 0.97-1.05x at bs 1. Not kept.
+//   - The same lists made after the queue, at budgets <= 63 only (a bucket's first 8 entries
+//     listed as it is binned; an entry ranks itself over its bucket's list, or over the pool
+//     when the bucket has more), so that no phase places the entries: 4 KB more shared memory.
+//     H100, bench.tree_ab against the buckets (both with KDT_NO_UNROLL), kernel alone, seed 15:
+//     0.99-1.00x at budget 63, bs 1-1024, but 1.17x at bs 16; budgets 33 and 47 1.01-1.02x.
+//     Branch i15-lists (e48e2e0), not kept. On it, the family's bound binned into its own
+//     histogram, so that each warp picks the bound's bin alone (no barrier, no hand-over):
+//     1.02-1.10x of the lists at budgets 33-1023, bs 1-1024 (branch i15-pick, 168807a).
 #pragma once
 
 #include <stdint.h>
