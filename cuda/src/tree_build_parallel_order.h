@@ -41,6 +41,13 @@
 //     Branch i15-lists (e48e2e0), not kept. On it, the family's bound binned into its own
 //     histogram, so that each warp picks the bound's bin alone (no barrier, no hand-over):
 //     1.02-1.10x of the lists at budgets 33-1023, bs 1-1024 (branch i15-pick, 168807a).
+//   - The buckets' scan folded into the placing phase at 256 buckets: every warp scans the 256
+//     counts itself (8 a lane, a shuffle scan) and an entry's bucket start comes by shuffle from
+//     the lane holding it, so the scan's phase and its two barriers go, and an entry's cnt
+//     carries its bucket's bounds to the ranks. H100, bench.tree_ab against this code, kernel
+//     alone, seed 15, bit-exact: 1.009-1.040x at budget 63 (bs 1 8.45 -> 8.60 us), 1.011-1.021x
+//     at 33-127, and 1.013-1.017x at 1023, whose path only moved the bounds into cnt. Branch
+//     i15-scan, not kept.
 #pragma once
 
 #include <stdint.h>
