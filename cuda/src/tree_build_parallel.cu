@@ -79,7 +79,8 @@ __device__ void stage_check(float* staged, const float* lp, int n_lp, int K, int
 // 0.918 / 0.952x, 255 0.931 / 0.917x, 1023 0.981 / 0.977x; bs 264 at 63 0.972 / 0.911x; bs 64
 // at 255 0.988 / 0.990x, at 1023 0.993 / 0.972x; bs 1-128 at budgets 33-63 0.992-1.000x; bs 1
 // at 1023 1.003 / 1.005x; bs 300 and 1024 (the 80 kernel) 0.999-1.001x.
-template <bool kStaged, bool kRoomy>
+// kPaths: tree::par::build's expansions compiled in (both, or the queue's alone: below).
+template <bool kStaged, bool kRoomy, int kPaths = tree::par::kQueuePath | tree::par::kLevelPath>
 __global__ void __maxnreg__(kRoomy ? 96 : 80)
     tree_build_parallel_kernel(TreeBuildArgs a, int cap, int twin, int nord,
                                const tree::par::Consts C) {
@@ -211,7 +212,8 @@ __global__ void __maxnreg__(kRoomy ? 96 : 80)
   // KDT_PAR_REPEAT: build again and keep the last build's marks (is the first one paying for
   // cold caches?).
   for (int rep = 1; rep < KDT_PAR_REPEAT; ++rep) {
-    tree::par::build(blk, S, A, nodes, lp, a.L, a.K, a.budget, cap, C, kStaged ? &pre : nullptr);
+    tree::par::build<GpuBlock, kPaths>(blk, S, A, nodes, lp, a.L, a.K, a.budget, cap, C,
+                                       kStaged ? &pre : nullptr);
     __syncthreads();
     if (threadIdx.x == 0) tree::par::init(S);
     if (kStaged) tree::par::first_entries(A, threadIdx.x, blockDim.x);
@@ -223,8 +225,8 @@ __global__ void __maxnreg__(kRoomy ? 96 : 80)
     blk.t0 = clock64();
   }
 #endif
-  int u = tree::par::build(blk, S, A, nodes, lp, a.L, a.K, a.budget, cap, C,
-                           kStaged ? &pre : nullptr);
+  int u = tree::par::build<GpuBlock, kPaths>(blk, S, A, nodes, lp, a.L, a.K, a.budget, cap, C,
+                                             kStaged ? &pre : nullptr);
   if (u < 0) {
     // The serial selection (warp variant) over the pool's memory: its frontier and keys (20 n
     // bytes) fit in one copy (20 cap bytes; cap > n).
@@ -261,6 +263,16 @@ __global__ void __maxnreg__(kRoomy ? 96 : 80)
 constexpr void (*kKernels[2][2])(TreeBuildArgs, int, int, int, const tree::par::Consts) = {
     {tree_build_parallel_kernel<false, false>, tree_build_parallel_kernel<false, true>},
     {tree_build_parallel_kernel<true, false>, tree_build_parallel_kernel<true, true>}};
+// The queue's alone (the levels compiled out; a request the queue does not take is declined to
+// the serial selection), roomy, [staged]: for a grid of at most one block a multiprocessor at
+// the queue's budgets (tree_build_parallel_cuda). Fewer instructions and registers on the path
+// that runs; at bs 256 (three blocks a multiprocessor at its 80 registers against two at the
+// four's 90-96) it took 1.03-1.06x when it served every grid (H100, 78a03aa), so it serves
+// grids that leave it a multiprocessor a block.
+constexpr int kQueueOnly = tree::par::kQueuePath;
+constexpr void (*kQueueKernels[2])(TreeBuildArgs, int, int, int, const tree::par::Consts) = {
+    tree_build_parallel_kernel<false, true, kQueueOnly>,
+    tree_build_parallel_kernel<true, true, kQueueOnly>};
 
 struct DeviceFacts {
   int limit = 0;           // the dynamic shared memory a block may take (opted in)
@@ -331,6 +343,14 @@ kdt_status device_facts(const char* fn, const DeviceFacts** out) {
       g.static_smem[staged][roomy] = (int)fa.sharedSizeBytes;
     }
   }
+  for (int staged = 0; staged < 2; ++staged) {
+    const auto k = kQueueKernels[staged];
+    KDT_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, limit),
+                   fn);
+    cudaFuncAttributes fa;
+    KDT_CUDA_CHECK(cudaFuncGetAttributes(&fa, k), fn);
+    if (fa.maxThreadsPerBlock < g.threads_limit) g.threads_limit = fa.maxThreadsPerBlock;
+  }
   g.limit = limit;
   f = g;
   *out = &f;
@@ -363,9 +383,12 @@ kdt_status tree_build_parallel_cuda(const TreeBuildArgs& a, void* stream, bool* 
   const int roomy_fit = blocks_per_sm(*f, staged, 1, T, p.bytes);
   const int roomy = roomy_fit >= dense || a.bs <= f->sms * roomy_fit ? 1 : 0;
   const tree::par::Consts C = tree::par::consts(a.budget, a.L, a.K, T, p.nord);
-  KDT_CUDA_CHECK(launch_pdl(kKernels[staged][roomy], a.bs, T, p.bytes, st, a, p.cap, twin,
-                            p.nord, C),
-                 fn);
+  // The queue's kernel where the queue takes every request that passes the check (a budget it
+  // serves, a family that gives a first bound) and every block has a multiprocessor to itself.
+  const bool queue_only =
+      a.budget <= tree::par::kQueueMaxBudget && C.nfam >= a.budget && a.bs <= f->sms;
+  const auto kernel = queue_only ? kQueueKernels[staged] : kKernels[staged][roomy];
+  KDT_CUDA_CHECK(launch_pdl(kernel, a.bs, T, p.bytes, st, a, p.cap, twin, p.nord, C), fn);
   *launched = true;
   return KDT_OK;
 }

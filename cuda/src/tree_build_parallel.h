@@ -77,7 +77,10 @@ namespace par {
 // caller has done the first phase's work already (first_entries, A.chain and S.fmin by
 // Block::chain_sums, and the check of every log-prob: its verdict, the same in every thread),
 // and a barrier since; nullptr: the build does it.
-template <class Block>
+// kPaths: the expansions compiled in (kQueuePath, kLevelPath; both by default). Without the
+// levels, a request the queue does not take (no first bound, or a pool overflow) is declined.
+constexpr int kQueuePath = 1, kLevelPath = 2;
+template <class Block, int kPaths = kQueuePath | kLevelPath>
 KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const float* lp, int L,
                  int K, int budget, int cap, const Consts& C, const Checked* pre = nullptr) {
   const int T = blk.threads();
@@ -188,7 +191,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
   // at or above t (scores fall along a path), in an order that depends on the schedule; nothing
   // below depends on that order (a run stays contiguous).
   bool queued = false;
-  if (bd.has && budget <= kQueueMaxBudget) {
+  if ((kPaths & kQueuePath) && bd.has && budget <= kQueueMaxBudget) {
     const Pool P = A.pool(0);
     const double tt = bd.t;
     // Entry i as a parent (its score, key and depth: read once for all its children), and child
@@ -293,6 +296,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
       queued = true;
     }
   }
+  if (!(kPaths & kLevelPath) && !queued) return -1;
   // ---- 1, 2. level by level: the parents are the entries [lb, le) -------------------------
   // Stable compaction of the pool to the root and the entries >= t (parents remapped); the
   // entries [lb, le) stay the current level's.
@@ -355,7 +359,7 @@ KDT_HD int build(Block& blk, Shared& S, const Arrays& A, const Nodes& N, const f
     le = kept_c;
     blk.run([](int) {});  // every thread has read cnt
   };
-  for (int d = 1; !queued && d <= L; ++d) {
+  for (int d = 1; (kPaths & kLevelPath) && !queued && d <= L; ++d) {
     const float* row = lp + (size_t)(d - 1) * K;
     int end = le;
     int total = 0;
