@@ -229,7 +229,12 @@ __global__ void __maxnreg__(kRoomy ? 96 : 80)
                                              kStaged ? &pre : nullptr);
   if (u < 0) {
     // The serial selection (warp variant) over the pool's memory: its frontier and keys (20 n
-    // bytes) fit in one copy (20 cap bytes; cap > n).
+    // bytes) fit in one copy (20 cap bytes; cap > n). (Out of line instead, a __noinline__
+    // function, so that its ~16 KB of SASS no longer sits between the build's last phases and
+    // the outputs: the call keeps the outputs' values live across it, 78 -> 91 registers on the
+    // queue's kernel. H100, bench.tree_ab against this, kernel alone, seed 15: budget 63 bs
+    // 1-132 1.000-1.017x, bs 256 and 1024 1.011-1.017x, 47 1.017x, 1023 1.010-1.018x. Branch
+    // i15-oof, not kept.)
     if (threadIdx.x < 32) {
       tree::Scratch s;
       s.heap_score = pool;
@@ -252,14 +257,13 @@ __global__ void __maxnreg__(kRoomy ? 96 : 80)
   blk.print_marks();
 }
 
-// The four instantiations, and what the launch needs of them (once per device). (Each also
-// split in two, one with the queue alone for the budgets and families it takes, declining an
-// overflow to the serial selection, one with the levels alone: the queue's took 72 registers
-// (dense) and 80 (roomy), the levels' 80 and 84-92, none spilled. H100, bench.tree_ab against
-// these four, kernel alone, seeds 15 / 5: budget 63 bs 1-64 0.983-0.991x, bs 1024 0.979x, but
-// bs 256 1.056 / 1.031x (the 80-register kernel counts as roomy and fits three blocks a
-// multiprocessor, no longer two); budgets 33 and 47 0.975-0.982x; 127-1023 1.000-1.010x.
-// Not kept: twice the instantiations for ~1.5% at bs 64, against 3-6% at bs 256.)
+// The four instantiations, and what the launch needs of them (once per device). (Each split in
+// two instead, one with the queue alone for the budgets and families it takes, declining an
+// overflow to the serial selection, one with the levels alone, and both serving every grid:
+// H100, bench.tree_ab against these four, kernel alone, seeds 15 / 5: budget 63 bs 1-64
+// 0.983-0.991x, bs 1024 0.979x, but bs 256 1.056 / 1.031x (the queue's 80-register kernel
+// counts as roomy and fits three blocks a multiprocessor, no longer two); budgets 33 and 47
+// 0.975-0.982x; 127-1023 1.000-1.010x. Hence the queue's kernel below, on small grids alone.)
 constexpr void (*kKernels[2][2])(TreeBuildArgs, int, int, int, const tree::par::Consts) = {
     {tree_build_parallel_kernel<false, false>, tree_build_parallel_kernel<false, true>},
     {tree_build_parallel_kernel<true, false>, tree_build_parallel_kernel<true, true>}};
@@ -268,7 +272,11 @@ constexpr void (*kKernels[2][2])(TreeBuildArgs, int, int, int, const tree::par::
 // the queue's budgets (tree_build_parallel_cuda). Fewer instructions and registers on the path
 // that runs; at bs 256 (three blocks a multiprocessor at its 80 registers against two at the
 // four's 90-96) it took 1.03-1.06x when it served every grid (H100, 78a03aa), so it serves
-// grids that leave it a multiprocessor a block.
+// grids that leave it a multiprocessor a block. Against the four alone (H100, bench.tree_ab,
+// kernel alone, seed 15, 3 rounds, bit-exact; 2026-12-05): budget 63 bs 1 8.42 -> 8.21 us
+// (0.975x), bs 4-132 0.969-0.981x (bs 64 10.82 -> 10.62), budget 47 at bs 64 0.976x; bs 256 and
+// 1024 (the four serve them) and budgets 15 and 1023 1.000x; the suites' budget-63 draws
+// 0.973-0.977x at bs 1 and 0.977-0.993x at bs 64.
 constexpr int kQueueOnly = tree::par::kQueuePath;
 constexpr void (*kQueueKernels[2])(TreeBuildArgs, int, int, int, const tree::par::Consts) = {
     tree_build_parallel_kernel<false, true, kQueueOnly>,
