@@ -307,6 +307,16 @@ int blocks_per_sm(const DeviceFacts& f, int staged, int roomy, int T, size_t byt
   return n < 32 ? n : 32;
 }
 
+// Kernel k opted in to `limit` bytes of dynamic shared memory, and its attributes read into fa;
+// the registers it takes bound its threads per block (a launch of more fails): g.threads_limit.
+kdt_status opt_in(void (*k)(TreeBuildArgs, int, int, int, const tree::par::Consts), int limit,
+                  const char* fn, DeviceFacts& g, cudaFuncAttributes& fa) {
+  KDT_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, limit), fn);
+  KDT_CUDA_CHECK(cudaFuncGetAttributes(&fa, k), fn);
+  if (fa.maxThreadsPerBlock < g.threads_limit) g.threads_limit = fa.maxThreadsPerBlock;
+  return KDT_OK;
+}
+
 // The shared-memory opt-in, once per device at the largest size the device allows, so that a
 // later call under graph capture makes no attribute call (nor any other query: the facts are
 // cached here). tree::par::plan picks the layout that fits (sm_120: 99 KB per block); a budget
@@ -340,24 +350,15 @@ kdt_status device_facts(const char* fn, const DeviceFacts** out) {
   g.threads_limit = 1024;
   for (int staged = 0; staged < 2; ++staged) {
     for (int roomy = 0; roomy < 2; ++roomy) {
-      const auto k = kKernels[staged][roomy];
-      KDT_CUDA_CHECK(
-          cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, limit), fn);
-      // The registers a kernel takes bound its threads per block (a launch of more fails).
       cudaFuncAttributes fa;
-      KDT_CUDA_CHECK(cudaFuncGetAttributes(&fa, k), fn);
-      if (fa.maxThreadsPerBlock < g.threads_limit) g.threads_limit = fa.maxThreadsPerBlock;
+      const kdt_status s = opt_in(kKernels[staged][roomy], limit, fn, g, fa);
+      if (s != KDT_OK) return s;
       g.regs[staged][roomy] = fa.numRegs;
       g.static_smem[staged][roomy] = (int)fa.sharedSizeBytes;
     }
-  }
-  for (int staged = 0; staged < 2; ++staged) {
-    const auto k = kQueueKernels[staged];
-    KDT_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, limit),
-                   fn);
     cudaFuncAttributes fa;
-    KDT_CUDA_CHECK(cudaFuncGetAttributes(&fa, k), fn);
-    if (fa.maxThreadsPerBlock < g.threads_limit) g.threads_limit = fa.maxThreadsPerBlock;
+    const kdt_status s = opt_in(kQueueKernels[staged], limit, fn, g, fa);
+    if (s != KDT_OK) return s;
   }
   g.limit = limit;
   f = g;
