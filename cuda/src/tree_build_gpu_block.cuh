@@ -17,6 +17,8 @@ namespace {
 
 // Lanes an entry in a queue batch of at most 32 / kSmallLanes entries (GpuBlock::expand).
 constexpr int kSmallLanes = 8;
+// Lanes an entry, at least, in a queue batch of at most 32 / kMidLanes entries (GpuBlock::expand).
+constexpr int kMidLanes = 2;
 
 // The block as tree_build_parallel.h wants it: a phase runs on every thread, then a barrier;
 // an exclusive scan and a histogram suffix pick as collectives (warp shuffles, two barriers).
@@ -187,6 +189,48 @@ struct GpuBlock {
         if (total == 0 || base + total > cap) break;
         for (int k = 0; k < kend; ++k) {
           const int r = sub + G * k, e = base + excl + r;
+          if ((mine >> k) & 1u) {
+            const auto ch = put(par, i, e, r);
+            cand[e] = ch.cand;
+            more |= live(ch);
+          }
+        }
+      } else if (m <= 32 / kMidLanes) {
+        // A batch of 5 to 16 entries, by ballots as the narrow one: four lanes an entry up to 8
+        // entries, else two (lg: their log2), a rank a lane a ballot, four ballots a round, and
+        // a round more only while some entry passed every rank tested (its last lane's rank
+        // in the round's last ballot): runs are prefixes, so the ballots that hold a pass come
+        // first and a lane's passes fit one word (at most 32 ballots). No search, no scan, no
+        // search for a child's run, as in the narrow batch.
+        const int lg = m <= 32 / 4 ? 2 : 1, G = 1 << lg;
+        const int j = lane >> lg, sub = lane & (G - 1), i = lo + j;
+        float u = 0.0f;
+        const float* row = j < m ? probe(i, &u) : nullptr;
+        const auto par = parent(j < m ? i : lo);
+        const unsigned below = (1u << (G * j)) - 1u;  // G j <= 30
+        const unsigned last = lg == 2 ? 0x88888888u : 0xaaaaaaaau;  // lanes sub == G - 1
+        unsigned mine = 0;
+        int excl = 0, kend = 0;
+        total = 0;
+        for (int k0 = 0; k0 < 64 >> lg; k0 += 4) {
+          unsigned b = 0;
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            const int k = k0 + q, r = sub + (k << lg);
+            const bool p = row != nullptr && r < kc && row[r] >= u;
+            b = __ballot_sync(kFull, p);
+            mine |= (unsigned)p << k;
+            excl += __popc(b & below);
+            total += __popc(b);
+            kend += b != 0u;
+          }
+          if ((b & last) == 0u) break;
+        }
+        mark(70);
+        base = place(work, total, lane);
+        if (total == 0 || base + total > cap) break;
+        for (int k = 0; k < kend; ++k) {
+          const int r = sub + (k << lg), e = base + excl + r;
           if ((mine >> k) & 1u) {
             const auto ch = put(par, i, e, r);
             cand[e] = ch.cand;
