@@ -152,63 +152,20 @@ struct GpuBlock {
       const int m = hi - lo;
       int total, base;
       bool more = false;  // a child this lane wrote has a child of its own (live)
-      if (m <= 32 / kSmallLanes) {
-        // A narrow batch (the deepest subtree's are): kSmallLanes lanes an entry, lane `sub` of
-        // entry j testing ranks sub, sub + G, ... (kc <= 64). A rank's test is one ballot bit,
-        // the runs' lengths and offsets are population counts of the ballots, and the lane that
-        // passed a rank writes that child: no thread searches its run (count_at_least64: ~100
-        // instructions), no scan, no search for a child's run. H200, bench.tree_ab against the
-        // same kernel without this path, kernel alone, 3 rounds, seed 15 / seed 5: budget 63
-        // bs 64 0.959x / 0.954x, bs 4 0.985x / 0.998x, bs 16 0.984x, bs 1 0.999x / 0.978x, bs
-        // 256 0.996x / 0.975x, bs 1024 1.000x; budget 33 bs 64 0.916x / 0.987x, bs 1 0.964x;
-        // budget 47 bs 64 0.929x / 1.008x. Four lanes an entry (batches up to 8, sixteen ranks
-        // a lane), against the kernel before it: 1.01-1.07x at budget 63; sixteen (batches up
-        // to 2): 1.00-1.03x at bs 1-64, where eight took 0.98-0.985x.
-        constexpr int G = kSmallLanes, R = 64 / G;
-        static_assert(G >= 2 && R <= 32, "a lane's passes fit one word");
-        const int j = lane / G, sub = lane % G, i = lo + j;
-        float u = 0.0f;
-        const float* row = j < m ? probe(i, &u) : nullptr;
-        const auto par = parent(j < m ? i : lo);  // its loads are probe's (no store between)
-        const unsigned below = (1u << (G * j)) - 1u;
-        unsigned mine = 0;  // bit k: this lane's rank sub + G k passed
-        int excl = 0, kend = 0;
-        total = 0;
-#pragma unroll
-        for (int k = 0; k < R; ++k) {
-          const int r = sub + G * k;
-          const bool p = row != nullptr && r < kc && row[r] >= u;
-          const unsigned b = __ballot_sync(kFull, p);
-          mine |= (unsigned)p << k;
-          excl += __popc(b & below);
-          total += __popc(b);
-          kend += b != 0u;  // runs are prefixes: the ballots that hold a pass come first
-        }
-        mark(70);
-        base = place(work, total, lane);
-        if (total == 0 || base + total > cap) break;
-        for (int k = 0; k < kend; ++k) {
-          const int r = sub + G * k, e = base + excl + r;
-          if ((mine >> k) & 1u) {
-            const auto ch = put(par, i, e, r);
-            cand[e] = ch.cand;
-            more |= live(ch);
-          }
-        }
-      } else if (m <= 32 / kMidLanes) {
+      if (m <= 32 / kMidLanes) {
         // A batch of 5 to 16 entries, by ballots as the narrow one: four lanes an entry up to 8
         // entries, else two (lg: their log2), a rank a lane a ballot, four ballots a round, and
         // a round more only while some entry passed every rank tested (its last lane's rank
         // in the round's last ballot): runs are prefixes, so the ballots that hold a pass come
         // first and a lane's passes fit one word (at most 32 ballots). No search, no scan, no
         // search for a child's run, as in the narrow batch.
-        const int lg = m <= 32 / 4 ? 2 : 1, G = 1 << lg;
+        const int lg = m <= 4 ? 3 : m <= 8 ? 2 : 1, G = 1 << lg;
         const int j = lane >> lg, sub = lane & (G - 1), i = lo + j;
         float u = 0.0f;
         const float* row = j < m ? probe(i, &u) : nullptr;
         const auto par = parent(j < m ? i : lo);
         const unsigned below = (1u << (G * j)) - 1u;  // G j <= 30
-        const unsigned last = lg == 2 ? 0x88888888u : 0xaaaaaaaau;  // lanes sub == G - 1
+        const unsigned last = lg == 3 ? 0x80808080u : lg == 2 ? 0x88888888u : 0xaaaaaaaau;  // sub == G - 1
         unsigned mine = 0;
         int excl = 0, kend = 0;
         total = 0;
