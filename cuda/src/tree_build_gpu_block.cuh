@@ -15,10 +15,8 @@
 namespace kdt {
 namespace {
 
-// Lanes an entry in a queue batch of at most 32 / kSmallLanes entries (GpuBlock::expand).
-constexpr int kSmallLanes = 8;
-// Lanes an entry, at least, in a queue batch of at most 32 / kMidLanes entries (GpuBlock::expand).
-constexpr int kMidLanes = 2;
+// Queue batches of at most kBallotBatch entries test their ranks by ballots (GpuBlock::expand).
+constexpr int kBallotBatch = 16;
 
 // The block as tree_build_parallel.h wants it: a phase runs on every thread, then a barrier;
 // an exclusive scan and a histogram suffix pick as collectives (warp shuffles, two barriers).
@@ -94,7 +92,7 @@ struct GpuBlock {
   // score and key, and returns its cand, stored here, and its score; live(child): whether it has
   // a child of its own). No entry passes between warps, so no entry waits on a
   // ready flag or a fence: a __syncwarp orders a batch's writes before the next batch reads
-  // them. A batch of at most 32 / kSmallLanes entries tests its ranks by ballots (below); one
+  // them. A batch of at most kBallotBatch entries tests its ranks by ballots (below); one
   // of at most 32 keeps its lengths and offsets in registers (a lane each; the children's runs
   // found by a binary search over the lanes' offsets); a larger one writes its offsets to
   // off[i] and searches them there. kc: the ranks a run may take (<= 64).
@@ -152,20 +150,37 @@ struct GpuBlock {
       const int m = hi - lo;
       int total, base;
       bool more = false;  // a child this lane wrote has a child of its own (live)
-      if (m <= 32 / kMidLanes) {
-        // A batch of 5 to 16 entries, by ballots as the narrow one: four lanes an entry up to 8
-        // entries, else two (lg: their log2), a rank a lane a ballot, four ballots a round, and
-        // a round more only while some entry passed every rank tested (its last lane's rank
-        // in the round's last ballot): runs are prefixes, so the ballots that hold a pass come
-        // first and a lane's passes fit one word (at most 32 ballots). No search, no scan, no
-        // search for a child's run, as in the narrow batch.
+      if (m <= kBallotBatch) {
+        // A batch of up to 16 entries (the deepest subtree's mostly are): G = 8, 4 or 2 lanes an
+        // entry (up to 4, 8 or 16 entries; lg: log2 G), lane `sub` of entry j testing ranks sub,
+        // sub + G, ... (kc <= 64), four ranks a round, and a round more only while some entry
+        // passed every rank tested (its last lane in the round's last ballot). A rank's test is
+        // one ballot bit, the runs' lengths and offsets are population counts of the ballots (runs
+        // are prefixes, so the ballots that hold a pass come first, and a lane's passes fit one
+        // word: at most 32 ranks a lane), and the lane that passed a rank writes that child: no
+        // thread searches its run (count_ge64), no scan, no search for a child's run. H200,
+        // bench.tree_ab against batches of 5 to 16 entries taking the path for up to 32 (a lane
+        // an entry: its count, a warp scan, each child's run found by a search over the lanes'
+        // offsets), kernel alone, 3 rounds, seed 15: budget 63 bs 4 0.886x, bs 16 0.928x, bs 64
+        // 0.951x, bs 132 0.930x, bs 256 0.925x, bs 1 1.003x; budget 47 bs 64 0.945x; budget 33
+        // bs 64 0.975x, bs 1 0.950x; budget 1023 (no queue) 1.000x; the suites' draws of run
+        // 20261205T164124Z 0.988-1.010x. Beside the path for up to 4 entries it replaced (eight
+        // lanes an entry, eight ranks each, all 64 tested in eight ballots), as a path of its own
+        // for 5 to 16: the same times, 80 registers against 70 and 9 KB more SASS. (That path,
+        // against the same kernel without it, H200, seed 15 / seed 5: budget 63 bs 64 0.959x /
+        // 0.954x, bs 4 0.985x / 0.998x, bs 16 0.984x, bs 1 0.999x / 0.978x, bs 256 0.996x /
+        // 0.975x, bs 1024 1.000x; budget 33 bs 64 0.916x / 0.987x, bs 1 0.964x; budget 47 bs 64
+        // 0.929x / 1.008x. Four lanes an entry for every batch up to 8, sixteen ranks a lane,
+        // against it: 1.01-1.07x at budget 63; sixteen (batches up to 2): 1.00-1.03x at bs 1-64,
+        // where eight took 0.98-0.985x.)
         const int lg = m <= 4 ? 3 : m <= 8 ? 2 : 1, G = 1 << lg;
         const int j = lane >> lg, sub = lane & (G - 1), i = lo + j;
         float u = 0.0f;
         const float* row = j < m ? probe(i, &u) : nullptr;
         const auto par = parent(j < m ? i : lo);
         const unsigned below = (1u << (G * j)) - 1u;  // G j <= 30
-        const unsigned last = lg == 3 ? 0x80808080u : lg == 2 ? 0x88888888u : 0xaaaaaaaau;  // sub == G - 1
+        // The lanes sub == G - 1.
+        const unsigned last = lg == 3 ? 0x80808080u : lg == 2 ? 0x88888888u : 0xaaaaaaaau;
         unsigned mine = 0;
         int excl = 0, kend = 0;
         total = 0;
