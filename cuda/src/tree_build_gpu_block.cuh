@@ -15,8 +15,8 @@
 namespace kdt {
 namespace {
 
-// Lanes an entry in a queue batch of at most 32 / kSmallLanes entries (GpuBlock::expand).
-constexpr int kSmallLanes = 8;
+// Queue batches of at most kBallotBatch entries test their ranks by ballots (GpuBlock::expand).
+constexpr int kBallotBatch = 16;
 
 // The block as tree_build_parallel.h wants it: a phase runs on every thread, then a barrier;
 // an exclusive scan and a histogram suffix pick as collectives (warp shuffles, two barriers).
@@ -92,7 +92,7 @@ struct GpuBlock {
   // score and key, and returns its cand, stored here, and its score; live(child): whether it has
   // a child of its own). No entry passes between warps, so no entry waits on a
   // ready flag or a fence: a __syncwarp orders a batch's writes before the next batch reads
-  // them. A batch of at most 32 / kSmallLanes entries tests its ranks by ballots (below); one
+  // them. A batch of at most kBallotBatch entries tests its ranks by ballots (below); one
   // of at most 32 keeps its lengths and offsets in registers (a lane each; the children's runs
   // found by a binary search over the lanes' offsets); a larger one writes its offsets to
   // off[i] and searches them there. kc: the ranks a run may take (<= 64).
@@ -150,43 +150,59 @@ struct GpuBlock {
       const int m = hi - lo;
       int total, base;
       bool more = false;  // a child this lane wrote has a child of its own (live)
-      if (m <= 32 / kSmallLanes) {
-        // A narrow batch (the deepest subtree's are): kSmallLanes lanes an entry, lane `sub` of
-        // entry j testing ranks sub, sub + G, ... (kc <= 64). A rank's test is one ballot bit,
-        // the runs' lengths and offsets are population counts of the ballots, and the lane that
-        // passed a rank writes that child: no thread searches its run (count_at_least64: ~100
-        // instructions), no scan, no search for a child's run. H200, bench.tree_ab against the
-        // same kernel without this path, kernel alone, 3 rounds, seed 15 / seed 5: budget 63
-        // bs 64 0.959x / 0.954x, bs 4 0.985x / 0.998x, bs 16 0.984x, bs 1 0.999x / 0.978x, bs
-        // 256 0.996x / 0.975x, bs 1024 1.000x; budget 33 bs 64 0.916x / 0.987x, bs 1 0.964x;
-        // budget 47 bs 64 0.929x / 1.008x. Four lanes an entry (batches up to 8, sixteen ranks
-        // a lane), against the kernel before it: 1.01-1.07x at budget 63; sixteen (batches up
-        // to 2): 1.00-1.03x at bs 1-64, where eight took 0.98-0.985x.
-        constexpr int G = kSmallLanes, R = 64 / G;
-        static_assert(G >= 2 && R <= 32, "a lane's passes fit one word");
-        const int j = lane / G, sub = lane % G, i = lo + j;
+      if (m <= kBallotBatch) {
+        // A batch of up to 16 entries (the deepest subtree's mostly are): G = 8, 4 or 2 lanes an
+        // entry (up to 4, 8 or 16 entries; lg: log2 G), lane `sub` of entry j testing ranks sub,
+        // sub + G, ... (kc <= 64), four ranks a round, and a round more only while some entry
+        // passed every rank tested (its last lane in the round's last ballot). A rank's test is
+        // one ballot bit, the runs' lengths and offsets are population counts of the ballots (runs
+        // are prefixes, so the ballots that hold a pass come first, and a lane's passes fit one
+        // word: at most 32 ranks a lane), and the lane that passed a rank writes that child: no
+        // thread searches its run (count_ge64), no scan, no search for a child's run. H200,
+        // bench.tree_ab against batches of 5 to 16 entries taking the path for up to 32 (a lane
+        // an entry: its count, a warp scan, each child's run found by a search over the lanes'
+        // offsets), kernel alone, 3 rounds, seed 15: budget 63 bs 4 0.886x, bs 16 0.928x, bs 64
+        // 0.951x, bs 132 0.930x, bs 256 0.925x, bs 1 1.003x; budget 47 bs 64 0.945x; budget 33
+        // bs 64 0.975x, bs 1 0.950x; budget 1023 (no queue) 1.000x; the suites' draws of run
+        // 20261205T164124Z 0.988-1.010x. Beside the path for up to 4 entries it replaced (eight
+        // lanes an entry, eight ranks each, all 64 tested in eight ballots), as a path of its own
+        // for 5 to 16: the same times, 80 registers against 70 and 9 KB more SASS. (That path,
+        // against the same kernel without it, H200, seed 15 / seed 5: budget 63 bs 64 0.959x /
+        // 0.954x, bs 4 0.985x / 0.998x, bs 16 0.984x, bs 1 0.999x / 0.978x, bs 256 0.996x /
+        // 0.975x, bs 1024 1.000x; budget 33 bs 64 0.916x / 0.987x, bs 1 0.964x; budget 47 bs 64
+        // 0.929x / 1.008x. Four lanes an entry for every batch up to 8, sixteen ranks a lane,
+        // against it: 1.01-1.07x at budget 63; sixteen (batches up to 2): 1.00-1.03x at bs 1-64,
+        // where eight took 0.98-0.985x.)
+        const int lg = m <= 4 ? 3 : m <= 8 ? 2 : 1, G = 1 << lg;
+        const int j = lane >> lg, sub = lane & (G - 1), i = lo + j;
         float u = 0.0f;
         const float* row = j < m ? probe(i, &u) : nullptr;
-        const auto par = parent(j < m ? i : lo);  // its loads are probe's (no store between)
-        const unsigned below = (1u << (G * j)) - 1u;
-        unsigned mine = 0;  // bit k: this lane's rank sub + G k passed
+        const auto par = parent(j < m ? i : lo);
+        const unsigned below = (1u << (G * j)) - 1u;  // G j <= 30
+        // The lanes sub == G - 1.
+        const unsigned last = lg == 3 ? 0x80808080u : lg == 2 ? 0x88888888u : 0xaaaaaaaau;
+        unsigned mine = 0;
         int excl = 0, kend = 0;
         total = 0;
+        for (int k0 = 0; k0 < 64 >> lg; k0 += 4) {
+          unsigned b = 0;
 #pragma unroll
-        for (int k = 0; k < R; ++k) {
-          const int r = sub + G * k;
-          const bool p = row != nullptr && r < kc && row[r] >= u;
-          const unsigned b = __ballot_sync(kFull, p);
-          mine |= (unsigned)p << k;
-          excl += __popc(b & below);
-          total += __popc(b);
-          kend += b != 0u;  // runs are prefixes: the ballots that hold a pass come first
+          for (int q = 0; q < 4; ++q) {
+            const int k = k0 + q, r = sub + (k << lg);
+            const bool p = row != nullptr && r < kc && row[r] >= u;
+            b = __ballot_sync(kFull, p);
+            mine |= (unsigned)p << k;
+            excl += __popc(b & below);
+            total += __popc(b);
+            kend += b != 0u;
+          }
+          if ((b & last) == 0u) break;
         }
         mark(70);
         base = place(work, total, lane);
         if (total == 0 || base + total > cap) break;
         for (int k = 0; k < kend; ++k) {
-          const int r = sub + G * k, e = base + excl + r;
+          const int r = sub + (k << lg), e = base + excl + r;
           if ((mine >> k) & 1u) {
             const auto ch = put(par, i, e, r);
             cand[e] = ch.cand;
