@@ -16,7 +16,7 @@ namespace kdt {
 namespace {
 
 // Queue batches of at most kBallotBatch entries test their ranks by ballots (GpuBlock::expand).
-constexpr int kBallotBatch = 16;
+constexpr int kBallotBatch = 32;
 
 // The block as tree_build_parallel.h wants it: a phase runs on every thread, then a barrier;
 // an exclusive scan and a histogram suffix pick as collectives (warp shuffles, two barriers).
@@ -92,10 +92,9 @@ struct GpuBlock {
   // score and key, and returns its cand, stored here, and its score; live(child): whether it has
   // a child of its own). No entry passes between warps, so no entry waits on a
   // ready flag or a fence: a __syncwarp orders a batch's writes before the next batch reads
-  // them. A batch of at most kBallotBatch entries tests its ranks by ballots (below); one
-  // of at most 32 keeps its lengths and offsets in registers (a lane each; the children's runs
-  // found by a binary search over the lanes' offsets); a larger one writes its offsets to
-  // off[i] and searches them there. kc: the ranks a run may take (<= 64).
+  // them. A batch of at most kBallotBatch entries tests its ranks by ballots (below); a larger
+  // one writes its runs' offsets to off[i] and each child finds its run there by a search. kc:
+  // the ranks a run may take (<= 64).
   // Returns the entries allocated, or -1 when they would pass cap (the pool is then incomplete).
   // *work must hold n0 (written before a barrier). Every thread calls it; it ends with a barrier.
   // Profiling probes (thread 0: warp 0's batches, the share that holds the root's rank-0 child): 70
@@ -151,19 +150,19 @@ struct GpuBlock {
       int total, base;
       bool more = false;  // a child this lane wrote has a child of its own (live)
       if (m <= kBallotBatch) {
-        // A batch of up to 16 entries (the deepest subtree's mostly are): G = 8, 4 or 2 lanes an
-        // entry (up to 4, 8 or 16 entries; lg: log2 G), lane `sub` of entry j testing ranks sub,
-        // sub + G, ... (kc <= 64), four ranks a round, and a round more only while some entry
-        // passed every rank tested (its last lane in the round's last ballot). A rank's test is
-        // one ballot bit, the runs' lengths and offsets are population counts of the ballots (runs
-        // are prefixes, so the ballots that hold a pass come first, and a lane's passes fit one
-        // word: at most 32 ranks a lane), and the lane that passed a rank writes that child: no
-        // thread searches its run (count_ge64), no scan, no search for a child's run. H200,
-        // bench.tree_ab against batches of 5 to 16 entries taking the path for up to 32 (a lane
-        // an entry: its count, a warp scan, each child's run found by a search over the lanes'
-        // offsets), kernel alone, 3 rounds, seed 15: budget 63 bs 4 0.886x, bs 16 0.928x, bs 64
-        // 0.951x, bs 132 0.930x, bs 256 0.925x, bs 1 1.003x; budget 47 bs 64 0.945x; budget 33
-        // bs 64 0.975x, bs 1 0.950x; budget 1023 (no queue) 1.000x; the suites' draws of run
+        // A batch of up to 32 entries (the deepest subtrees' mostly are): G = 8, 4, 2 or 1 lanes
+        // an entry (up to 4, 8, 16 or 32 entries; lg: log2 G), lane `sub` of entry j testing
+        // ranks sub, sub + G, ... (kc <= 64), four ranks a round, and a round more only while
+        // some entry passed every rank tested (its last lane in the round's last ballot). A
+        // rank's test is one ballot bit, the runs' lengths and offsets are population counts of
+        // the ballots, a lane's passes are its first `mine` ranks (runs are prefixes), and the
+        // lane that passed a rank writes that child: no thread searches its run (count_ge64), no
+        // scan, no search for a child's run. H200, bench.tree_ab against batches of 5 to 16
+        // entries taking the path that 17 to 32 took before (a lane an entry: its count, a warp
+        // scan, each child's run found by a search over the lanes' offsets), kernel alone, 3
+        // rounds, seed 15: budget 63 bs 4 0.886x, bs 16 0.928x, bs 64 0.951x, bs 132 0.930x, bs
+        // 256 0.925x, bs 1 1.003x; budget 47 bs 64 0.945x; budget 33 bs 64 0.975x, bs 1 0.950x;
+        // budget 1023 (no queue) 1.000x; the suites' budget-63 draws of run
         // 20261205T164124Z 0.988-1.010x. Beside the path for up to 4 entries it replaced (eight
         // lanes an entry, eight ranks each, all 64 tested in eight ballots), as a path of its own
         // for 5 to 16: the same times, 80 registers against 70 and 9 KB more SASS. (That path,
@@ -173,16 +172,18 @@ struct GpuBlock {
         // 0.929x / 1.008x. Four lanes an entry for every batch up to 8, sixteen ranks a lane,
         // against it: 1.01-1.07x at budget 63; sixteen (batches up to 2): 1.00-1.03x at bs 1-64,
         // where eight took 0.98-0.985x.)
-        const int lg = m <= 4 ? 3 : m <= 8 ? 2 : 1, G = 1 << lg;
+        const int lg = m <= 4 ? 3 : m <= 8 ? 2 : m <= 16 ? 1 : 0, G = 1 << lg;
         const int j = lane >> lg, sub = lane & (G - 1), i = lo + j;
         float u = 0.0f;
         const float* row = j < m ? probe(i, &u) : nullptr;
         const auto par = parent(j < m ? i : lo);
-        const unsigned below = (1u << (G * j)) - 1u;  // G j <= 30
+        const unsigned below = (1u << (G * j)) - 1u;  // G j <= 31
         // The lanes sub == G - 1.
-        const unsigned last = lg == 3 ? 0x80808080u : lg == 2 ? 0x88888888u : 0xaaaaaaaau;
-        unsigned mine = 0;
-        int excl = 0, kend = 0;
+        const unsigned last = lg == 3   ? 0x80808080u
+                              : lg == 2 ? 0x88888888u
+                              : lg == 1 ? 0xaaaaaaaau
+                                        : 0xffffffffu;
+        int mine = 0, excl = 0;  // mine: the ranks this lane passed (its first `mine`)
         total = 0;
         for (int k0 = 0; k0 < 64 >> lg; k0 += 4) {
           unsigned b = 0;
@@ -191,46 +192,20 @@ struct GpuBlock {
             const int k = k0 + q, r = sub + (k << lg);
             const bool p = row != nullptr && r < kc && row[r] >= u;
             b = __ballot_sync(kFull, p);
-            mine |= (unsigned)p << k;
+            mine += p;
             excl += __popc(b & below);
             total += __popc(b);
-            kend += b != 0u;
           }
           if ((b & last) == 0u) break;
         }
         mark(70);
         base = place(work, total, lane);
         if (total == 0 || base + total > cap) break;
-        for (int k = 0; k < kend; ++k) {
+        for (int k = 0; k < mine; ++k) {
           const int r = sub + (k << lg), e = base + excl + r;
-          if ((mine >> k) & 1u) {
-            const auto ch = put(par, i, e, r);
-            cand[e] = ch.cand;
-            more |= live(ch);
-          }
-        }
-      } else if (m <= 32) {
-        const int i = lo + lane;
-        const int c = lane < m ? len(i) : 0;
-        mark(70);
-        const int incl = warp_inclusive(c, lane), excl = incl - c;
-        total = __shfl_sync(kFull, incl, 31);
-        base = place(work, total, lane);
-        if (total == 0 || base + total > cap) break;
-        for (int k0 = 0; k0 < total; k0 += 32) {
-          const int k = k0 + lane;
-          int q = 0;  // the last lane whose run starts at or before k
-#pragma unroll
-          for (int st = 16; st > 0; st >>= 1) {
-            const int x = __shfl_sync(kFull, excl, q + st);
-            if (x <= k) q += st;
-          }
-          const int qi = __shfl_sync(kFull, i, q), qx = __shfl_sync(kFull, excl, q);
-          if (k < total) {
-            const auto ch = put(parent(qi), qi, base + k, k - qx);
-            cand[base + k] = ch.cand;
-            more |= live(ch);
-          }
+          const auto ch = put(par, i, e, r);
+          cand[e] = ch.cand;
+          more |= live(ch);
         }
       } else {
         int run = 0;
