@@ -157,15 +157,24 @@ struct GpuBlock {
         // rank's test is one ballot bit, the runs' lengths and offsets are population counts of
         // the ballots, a lane's passes are its first `mine` ranks (runs are prefixes), and the
         // lane that passed a rank writes that child: no thread searches its run (count_ge64), no
-        // scan, no search for a child's run. H200, bench.tree_ab against batches of 5 to 16
-        // entries taking the path that 17 to 32 took before (a lane an entry: its count, a warp
-        // scan, each child's run found by a search over the lanes' offsets), kernel alone, 3
-        // rounds, seed 15: budget 63 bs 4 0.886x, bs 16 0.928x, bs 64 0.951x, bs 132 0.930x, bs
-        // 256 0.925x, bs 1 1.003x; budget 47 bs 64 0.945x; budget 33 bs 64 0.975x, bs 1 0.950x;
-        // budget 1023 (no queue) 1.000x; the suites' budget-63 draws of run
-        // 20261205T164124Z 0.988-1.010x. Beside the path for up to 4 entries it replaced (eight
-        // lanes an entry, eight ranks each, all 64 tested in eight ballots), as a path of its own
-        // for 5 to 16: the same times, 80 registers against 70 and 9 KB more SASS. (That path,
+        // scan, no search for a child's run. H200, bench.tree_ab against the kernel before
+        // (batches of 5 to 32 entries a lane an entry: its count by count_ge64, a warp scan, each
+        // child's run found by a search over the lanes' offsets), kernel alone, 3 rounds, one
+        // run, bit-exact: seed 15, budget 63 bs 1 0.942x, bs 4 0.877x, bs 16 0.885x, bs 64 0.893x
+        // (10.58 -> 9.46 us), bs 132 0.905x, bs 256 0.903x, bs 1024 0.925x; budget 47 bs 64
+        // 0.933x; 33 bs 64 0.958x, bs 1 0.943x; 1023 (no queue) 0.999x; seed 5, budget 63 bs 1
+        // 0.946x, bs 4 0.922x, bs 16 0.916x, bs 64 0.988x, bs 256 0.896x, 47 bs 64 0.890x; the
+        // kernels suite's draws of run 20261206T020939Z, budget 63: bs 1 0.865x (9.27 -> 8.01
+        // us), bs 4 0.888x, bs 16 1.002x, bs 64 0.916x (10.38 -> 9.51), bs 256 0.901x; thirteen
+        // fresh bs 64 draws (seeds 101-113, 2 rounds): 0.850-0.964x, 9.30-11.62 us (median
+        // 10.06) -> 8.17-10.51 (median 9.01). Up to 16 entries alone (17 to 32 as before), in
+        // the same runs: seed 15 budget 63 0.887-1.003x (bs 64 0.951x), seed 5 0.930-1.003x (bs
+        // 64 0.997x), the suite's draws 0.906-1.021x: the batches of 17 to 32 are a good part of
+        // it (bench inputs at bs 64, budget 63: the slowest warps' widths run up to 37). Up to
+        // 16 as a path of its own beside the one for up to 4 entries it replaced (eight lanes
+        // an entry, all 64 ranks in eight ballots): the same times, 80 registers against 70 and
+        // 9 KB more SASS; up to 32 the queue's kernel takes 70 registers and 106 KB of SASS
+        // against 78 and 117 before. (That path for up to 4,
         // against the same kernel without it, H200, seed 15 / seed 5: budget 63 bs 64 0.959x /
         // 0.954x, bs 4 0.985x / 0.998x, bs 16 0.984x, bs 1 0.999x / 0.978x, bs 256 0.996x /
         // 0.975x, bs 1024 1.000x; budget 33 bs 64 0.916x / 0.987x, bs 1 0.964x; budget 47 bs 64
