@@ -174,18 +174,17 @@ struct GpuBlock {
         // 16 as a path of its own beside the one for up to 4 entries it replaced (eight lanes
         // an entry, all 64 ranks in eight ballots): the same times, 80 registers against 70 and
         // 9 KB more SASS; up to 32 the queue's kernel takes 70 registers and 106 KB of SASS
-        // against 78 and 117 before. (That path for up to 4,
-        // against the same kernel without it, H200, seed 15 / seed 5: budget 63 bs 64 0.959x /
-        // 0.954x, bs 4 0.985x / 0.998x, bs 16 0.984x, bs 1 0.999x / 0.978x, bs 256 0.996x /
-        // 0.975x, bs 1024 1.000x; budget 33 bs 64 0.916x / 0.987x, bs 1 0.964x; budget 47 bs 64
-        // 0.929x / 1.008x. Four lanes an entry for every batch up to 8, sixteen ranks a lane,
-        // against it: 1.01-1.07x at budget 63; sixteen (batches up to 2): 1.00-1.03x at bs 1-64,
-        // where eight took 0.98-0.985x.)
+        // against 78 and 117 before. (That path for up to 4, against the same kernel without
+        // it, H200, seed 15 / seed 5: budget 63 bs 64 0.959x / 0.954x, bs 4 0.985x / 0.998x, bs
+        // 16 0.984x, bs 1 0.999x / 0.978x, bs 256 0.996x / 0.975x, bs 1024 1.000x; budget 33 bs
+        // 64 0.916x / 0.987x, bs 1 0.964x; budget 47 bs 64 0.929x / 1.008x. Four lanes an entry
+        // for every batch up to 8, sixteen ranks a lane, against it: 1.01-1.07x at budget 63;
+        // sixteen (batches up to 2): 1.00-1.03x at bs 1-64, where eight took 0.98-0.985x.)
         const int lg = m <= 4 ? 3 : m <= 8 ? 2 : m <= 16 ? 1 : 0, G = 1 << lg;
         const int j = lane >> lg, sub = lane & (G - 1), i = lo + j;
         float u = 0.0f;
         const float* row = j < m ? probe(i, &u) : nullptr;
-        const auto par = parent(j < m ? i : lo);
+        const auto par = parent(j < m ? i : lo);  // its loads are probe's (no store between)
         const unsigned below = (1u << (G * j)) - 1u;  // G j <= 31
         // The lanes sub == G - 1.
         const unsigned last = lg == 3   ? 0x80808080u
