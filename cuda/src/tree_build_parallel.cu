@@ -290,16 +290,18 @@ struct DeviceFacts {
   int regs_per_sm = 0;     // registers a multiprocessor has
   int regs[2][2] = {};     // registers a thread, per instantiation
   int static_smem[2][2] = {};
+  int queue_regs[2] = {};  // the same, for the queue's kernels
+  int queue_static_smem[2] = {};
 };
 
 // Blocks of kernel (staged, roomy) that fit one multiprocessor at T threads and `bytes` of
 // dynamic shared memory: the fewest of what the registers (allocated per warp, in units of 256),
 // the shared memory (plus the 1 KB the device reserves a block) and the threads allow.
-int blocks_per_sm(const DeviceFacts& f, int staged, int roomy, int T, size_t bytes) {
+int blocks_per_sm(const DeviceFacts& f, int regs, int static_smem, int T, size_t bytes) {
   const int warps = (T + 31) / 32;
-  const int warp_regs = (f.regs[staged][roomy] * 32 + 255) / 256 * 256;
+  const int warp_regs = (regs * 32 + 255) / 256 * 256;
   const int by_regs = warp_regs ? f.regs_per_sm / (warp_regs * warps) : 32;
-  const size_t block_smem = bytes + (size_t)f.static_smem[staged][roomy] + 1024;
+  const size_t block_smem = bytes + (size_t)static_smem + 1024;
   const int by_smem = (int)((size_t)f.smem_per_sm / block_smem);
   const int by_threads = 2048 / T;
   int n = by_regs < by_smem ? by_regs : by_smem;
@@ -359,6 +361,8 @@ kdt_status device_facts(const char* fn, const DeviceFacts** out) {
     cudaFuncAttributes fa;
     const kdt_status s = opt_in(kQueueKernels[staged], limit, fn, g, fa);
     if (s != KDT_OK) return s;
+    g.queue_regs[staged] = fa.numRegs;
+    g.queue_static_smem[staged] = (int)fa.sharedSizeBytes;
   }
   g.limit = limit;
   f = g;
@@ -388,14 +392,17 @@ kdt_status tree_build_parallel_cuda(const TreeBuildArgs& a, void* stream, bool* 
   const int twin = p.twin ? 1 : 0, staged = p.staged ? 1 : 0;
   // The roomy kernel when the grid fits the multiprocessors at its occupancy, or it fits as
   // many blocks a multiprocessor as the other (kRoomy above).
-  const int dense = blocks_per_sm(*f, staged, 0, T, p.bytes);
-  const int roomy_fit = blocks_per_sm(*f, staged, 1, T, p.bytes);
+  const int dense = blocks_per_sm(*f, f->regs[staged][0], f->static_smem[staged][0], T, p.bytes);
+  const int roomy_fit =
+      blocks_per_sm(*f, f->regs[staged][1], f->static_smem[staged][1], T, p.bytes);
   const int roomy = roomy_fit >= dense || a.bs <= f->sms * roomy_fit ? 1 : 0;
+  const int queue_fit =
+      blocks_per_sm(*f, f->queue_regs[staged], f->queue_static_smem[staged], T, p.bytes);
   const tree::par::Consts C = tree::par::consts(a.budget, a.L, a.K, T, p.nord);
   // The queue's kernel where the queue takes every request that passes the check (a budget it
   // serves, a family that gives a first bound) and every block has a multiprocessor to itself.
-  const bool queue_only =
-      a.budget <= tree::par::kQueueMaxBudget && C.nfam >= a.budget && a.bs <= f->sms;
+  const bool queue_only = a.budget <= tree::par::kQueueMaxBudget && C.nfam >= a.budget &&
+                          (a.bs <= f->sms || queue_fit >= (roomy ? roomy_fit : dense));
   const auto kernel = queue_only ? kQueueKernels[staged] : kKernels[staged][roomy];
   KDT_CUDA_CHECK(launch_pdl(kernel, a.bs, T, p.bytes, st, a, p.cap, twin, p.nord, C), fn);
   *launched = true;
