@@ -221,12 +221,16 @@ def test_cuda_parallel_queue(monkeypatch, cuda_ready):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("bs", [8, 1100])
+@pytest.mark.parametrize("bs", [8, 200, 1100])
 def test_cuda_parallel_both_register_caps(monkeypatch, cuda_ready, bs):
     # The launch picks the 96-register kernel when the grid fits the multiprocessors at its
     # occupancy (two blocks of 256 threads a multiprocessor), else the 80-register one: bs 8
-    # takes the first at every budget, bs 1100 the second at budgets 33-255 on any device of
-    # fewer than 550 multiprocessors (tree_build_parallel.cu). Both bit for bit.
+    # takes the first at every budget, bs 1100 the second at budgets 64-255 on any device of
+    # fewer than 550 multiprocessors (tree_build_parallel.cu). At budget 63 the queue's kernel
+    # stands in for either: alone on its multiprocessor at bs 8, held to two blocks a
+    # multiprocessor by the shared memory it asks for at bs 200 (on a device of 100 to 199
+    # multiprocessors, the H100's and H200's 132 included), at three at bs 1100; a request the
+    # queue cannot take is built there by the serial selection. All bit for bit.
     seed = secrets.randbits(32)
     rng = np.random.default_rng(seed)
     monkeypatch.setenv("KDT_TREE_BUILD", "parallel")
@@ -238,7 +242,7 @@ def test_cuda_parallel_both_register_caps(monkeypatch, cuda_ready, bs):
         assert_same(native().build_tree(*args[:2], budget, *args[2:], device="cuda"),
                     ddtree.build_tree(*args[:2], budget, *args[2:]), FIELDS_TREE,
                     f"seed={seed} bs={bs} budget={budget}")
-    args = _queue_overflow_inputs(bs, 1.0)  # the queue gives way to the levels
+    args = _queue_overflow_inputs(bs, 1.0)  # the queue gives way (the serial selection)
     assert_same(native().build_tree(*args[:2], 63, *args[2:], device="cuda"),
                 ddtree.build_tree(*args[:2], 63, *args[2:]), FIELDS_TREE,
                 f"queue overflow bs={bs}")

@@ -263,16 +263,18 @@ __global__ void __maxnreg__(kRoomy ? 96 : 80)
 // H100, bench.tree_ab against these four, kernel alone, seeds 15 / 5: budget 63 bs 1-64
 // 0.983-0.991x, bs 1024 0.979x, but bs 256 1.056 / 1.031x (the queue's 80-register kernel
 // counts as roomy and fits three blocks a multiprocessor, no longer two); budgets 33 and 47
-// 0.975-0.982x; 127-1023 1.000-1.010x. Hence the queue's kernel below, on small grids alone.)
+// 0.975-0.982x; 127-1023 1.000-1.010x. Hence the queue's kernel below, at the occupancy of the
+// kernel it stands in for.)
 constexpr void (*kKernels[2][2])(TreeBuildArgs, int, int, int, const tree::par::Consts) = {
     {tree_build_parallel_kernel<false, false>, tree_build_parallel_kernel<false, true>},
     {tree_build_parallel_kernel<true, false>, tree_build_parallel_kernel<true, true>}};
 // The queue's alone (the levels compiled out; a request the queue does not take is declined to
-// the serial selection), roomy, [staged]: for a grid of at most one block a multiprocessor at
-// the queue's budgets (tree_build_parallel_cuda). Fewer instructions and registers on the path
-// that runs; at bs 256 (three blocks a multiprocessor at its 80 registers against two at the
-// four's 90-96) it took 1.03-1.06x when it served every grid (H100, 78a03aa), so it serves
-// grids that leave it a multiprocessor a block. Against the four alone (H100, bench.tree_ab,
+// the serial selection), roomy, [staged]: at the queue's budgets (tree_build_parallel_cuda, which
+// holds it to the occupancy of the kernel it stands in for). Fewer instructions and registers on
+// the path that runs; at bs 256 (three blocks a multiprocessor at its 80 registers against two
+// at the four's 90-96) it took 1.03-1.06x when it served every grid (H100, 78a03aa), so it
+// served grids of a block a multiprocessor alone until the launch held it to two (below).
+// Against the four alone, on those grids (H100, bench.tree_ab,
 // kernel alone, seed 15, 3 rounds, bit-exact; 2026-12-05): budget 63 bs 1 8.42 -> 8.21 us
 // (0.975x), bs 4-132 0.969-0.981x (bs 64 10.82 -> 10.62), budget 47 at bs 64 0.976x; bs 256 and
 // 1024 (the four serve them) and budgets 15 and 1023 1.000x; the suites' budget-63 draws
@@ -290,21 +292,33 @@ struct DeviceFacts {
   int regs_per_sm = 0;     // registers a multiprocessor has
   int regs[2][2] = {};     // registers a thread, per instantiation
   int static_smem[2][2] = {};
+  int queue_regs[2] = {};  // the same, for the queue's kernels, [staged]
+  int queue_static_smem[2] = {};
 };
 
-// Blocks of kernel (staged, roomy) that fit one multiprocessor at T threads and `bytes` of
-// dynamic shared memory: the fewest of what the registers (allocated per warp, in units of 256),
-// the shared memory (plus the 1 KB the device reserves a block) and the threads allow.
-int blocks_per_sm(const DeviceFacts& f, int staged, int roomy, int T, size_t bytes) {
+// Blocks of a kernel of `regs` registers a thread and `static_smem` bytes of static shared
+// memory that fit one multiprocessor at T threads and `bytes` of dynamic shared memory: the fewest
+// of what the registers (allocated per warp, in units of 256), the shared memory (plus the 1 KB
+// the device reserves a block) and the threads allow.
+int blocks_per_sm(const DeviceFacts& f, int regs, int static_smem, int T, size_t bytes) {
   const int warps = (T + 31) / 32;
-  const int warp_regs = (f.regs[staged][roomy] * 32 + 255) / 256 * 256;
+  const int warp_regs = (regs * 32 + 255) / 256 * 256;
   const int by_regs = warp_regs ? f.regs_per_sm / (warp_regs * warps) : 32;
-  const size_t block_smem = bytes + (size_t)f.static_smem[staged][roomy] + 1024;
+  const size_t block_smem = bytes + (size_t)static_smem + 1024;
   const int by_smem = (int)((size_t)f.smem_per_sm / block_smem);
   const int by_threads = 2048 / T;
   int n = by_regs < by_smem ? by_regs : by_smem;
   n = n < by_threads ? n : by_threads;
   return n < 32 ? n : 32;
+}
+
+// The dynamic shared memory, at least `bytes`, at which no more than `blocks` blocks of a kernel
+// of `static_smem` bytes of static shared memory fit one multiprocessor (blocks_per_sm's count).
+size_t bytes_for_blocks(const DeviceFacts& f, int blocks, int static_smem, size_t bytes) {
+  const size_t block_smem = (size_t)f.smem_per_sm / (size_t)(blocks + 1) + 1;
+  const size_t over = (size_t)static_smem + 1024;
+  const size_t need = block_smem > over ? block_smem - over : 0;
+  return need > bytes ? need : bytes;
 }
 
 // Kernel k opted in to `limit` bytes of dynamic shared memory, and its attributes read into fa;
@@ -359,6 +373,8 @@ kdt_status device_facts(const char* fn, const DeviceFacts** out) {
     cudaFuncAttributes fa;
     const kdt_status s = opt_in(kQueueKernels[staged], limit, fn, g, fa);
     if (s != KDT_OK) return s;
+    g.queue_regs[staged] = fa.numRegs;
+    g.queue_static_smem[staged] = (int)fa.sharedSizeBytes;
   }
   g.limit = limit;
   f = g;
@@ -388,16 +404,35 @@ kdt_status tree_build_parallel_cuda(const TreeBuildArgs& a, void* stream, bool* 
   const int twin = p.twin ? 1 : 0, staged = p.staged ? 1 : 0;
   // The roomy kernel when the grid fits the multiprocessors at its occupancy, or it fits as
   // many blocks a multiprocessor as the other (kRoomy above).
-  const int dense = blocks_per_sm(*f, staged, 0, T, p.bytes);
-  const int roomy_fit = blocks_per_sm(*f, staged, 1, T, p.bytes);
+  const int dense = blocks_per_sm(*f, f->regs[staged][0], f->static_smem[staged][0], T, p.bytes);
+  const int roomy_fit =
+      blocks_per_sm(*f, f->regs[staged][1], f->static_smem[staged][1], T, p.bytes);
   const int roomy = roomy_fit >= dense || a.bs <= f->sms * roomy_fit ? 1 : 0;
   const tree::par::Consts C = tree::par::consts(a.budget, a.L, a.K, T, p.nord);
   // The queue's kernel where the queue takes every request that passes the check (a budget it
-  // serves, a family that gives a first bound) and every block has a multiprocessor to itself.
-  const bool queue_only =
-      a.budget <= tree::par::kQueueMaxBudget && C.nfam >= a.budget && a.bs <= f->sms;
+  // serves, a family that gives a first bound), at the occupancy of the kernel it stands in
+  // for: where that one fits fewer blocks a multiprocessor, the queue's takes more dynamic
+  // shared memory than it uses, so that it fits as few (the scheduler would stack more blocks
+  // on some multiprocessors, leaving others idle). Where it cannot, the general kernel runs.
+  // H100, bench.tree_ab against the queue's kernel on grids of at most one block a
+  // multiprocessor alone, kernel alone, 3 rounds, seeds 15 / 5, bit-exact: budget 63 bs 133
+  // 0.975 / 0.973x, 160-264 0.970-0.976x, 300 0.978 / 0.988x, 396 0.963 / 0.970x, 1024 0.965x;
+  // budget 47 at bs 256 0.973 / 0.977x, 33 at bs 200 0.973 / 0.969x; bs 64 1.000x (the same
+  // launch). Unpadded, at three blocks a multiprocessor where the roomy kernel fits two: bs
+  // 133 0.957 / 0.965x, 160 0.961-0.973x, but bs 200-264 0.99-1.04x, budget 47 at bs 256
+  // 1.04-1.05x.
+  size_t bytes = p.bytes;
+  bool queue_only = a.budget <= tree::par::kQueueMaxBudget && C.nfam >= a.budget;
+  if (queue_only && a.bs > f->sms) {
+    const int want = roomy ? roomy_fit : dense;
+    const int qs = f->queue_static_smem[staged];
+    const int fit = blocks_per_sm(*f, f->queue_regs[staged], qs, T, p.bytes);
+    if (fit > want) bytes = bytes_for_blocks(*f, want, qs, p.bytes);
+    queue_only = fit == want || (fit > want && bytes <= (size_t)f->limit);
+    if (!queue_only) bytes = p.bytes;
+  }
   const auto kernel = queue_only ? kQueueKernels[staged] : kKernels[staged][roomy];
-  KDT_CUDA_CHECK(launch_pdl(kernel, a.bs, T, p.bytes, st, a, p.cap, twin, p.nord, C), fn);
+  KDT_CUDA_CHECK(launch_pdl(kernel, a.bs, T, bytes, st, a, p.cap, twin, p.nord, C), fn);
   *launched = true;
   return KDT_OK;
 }
