@@ -25,8 +25,8 @@ from bench.kernels_attention import (ATTENTION_PATHS, ATTENTION_TOL, PEERS, atte
                                      fits)
 from bench.kernels_records import rate, record, sync
 from bench.native_calls import prepare_tree_accept, prepare_tree_build, to_numpy
-from bench.timing import (cpu_states, device_warmup_s, settle, summarize, time_cpu, time_cuda,
-                          time_cuda_graph)
+from bench.timing import (CpuStateRounds, cpu_states, device_warmup_s, settle, summarize,
+                          time_cpu, time_cuda, time_cuda_graph)
 from bench.tree_algo import ALGOS, side_stream, tree_algo
 from bench.validate import ACCEPT_FIELDS, TREE_FIELDS, check_exact, sample_requests
 
@@ -57,13 +57,16 @@ def _timer(device: str, quick: bool, flush_l2: bool, warmup: int = 1):
     return lambda fn: time_cpu(fn, warmup=warmup, reps=30, budget_s=0.05 if quick else 0.5)
 
 
-def _tree_and_accept(lib, device, bs, budget, rng, seed, timer, states_s=0.1) -> list:
+def _tree_and_accept(lib, device, bs, budget, rng, seed, timer, states_s=0.1,
+                     rounds=None) -> list:
     """Build (validated, timed) with each algorithm, then accept on the built tree (validated,
     timed). On CUDA each is timed two ways: one call between events (`timer`, launch from
     Python included) and the kernel alone (`kernel_alone`: a CUDA graph of N calls / N). On the
-    CPU the build's record also holds its two speeds (`cpu_states`, within states_s seconds)."""
+    CPU the build's record also holds its two speeds (`cpu_states`, within states_s seconds),
+    which `rounds` (bench.timing.CpuStateRounds), when given, measures again later."""
     with side_stream(device):  # graph capture needs a stream other than the legacy default
-        return _tree_and_accept_on_stream(lib, device, bs, budget, rng, seed, timer, states_s)
+        return _tree_and_accept_on_stream(lib, device, bs, budget, rng, seed, timer, states_s,
+                                          rounds)
 
 
 def _kernel_alone(device, fn) -> dict | None:
@@ -81,7 +84,8 @@ def tree_case_inputs(rng: np.random.Generator, bs: int, budget: int) -> dict:
     return tree_inputs(rng, bs, L, min(budget, 64))
 
 
-def _tree_and_accept_on_stream(lib, device, bs, budget, rng, seed, timer, states_s) -> list:
+def _tree_and_accept_on_stream(lib, device, bs, budget, rng, seed, timer, states_s,
+                               rounds) -> list:
     from engine.reference import ddtree
 
     K = min(budget, 64)
@@ -112,6 +116,8 @@ def _tree_and_accept_on_stream(lib, device, bs, budget, rng, seed, timer, states
             rec["kernel_alone"] = alone
         if states:
             rec["cpu_states"] = states
+            if rounds is not None:
+                rounds.track(p.run, rec, lambda a=algo: tree_algo(a), keep=p)
         out.append(rec)
         prep = prep or p
     if prep is None:
@@ -183,14 +189,16 @@ def run(ctx) -> dict:
         n_cases = (len(g["tree"]["bs"]) * len(g["tree"]["budget"])
                    + len(ga["dtype"]) * len(ga["bs"]) * len(ga["prefix"]) * len(ga["tree"]))
         done = 0
+        rounds = CpuStateRounds(budget_s=0.005 if ctx.quick else 0.02)
         for bs in g["tree"]["bs"]:
             for budget in g["tree"]["budget"]:
                 seed = int(root.spawn(1)[0].generate_state(1)[0])
                 rng = np.random.default_rng(seed)
                 results += _guarded(lambda: _tree_and_accept(lib, device, bs, budget, rng, seed,
                                                              tree_timer,
-                                                             0.02 if ctx.quick else 0.1),
+                                                             0.02 if ctx.quick else 0.1, rounds),
                                     "tree_build", device, {"bs": bs, "budget": budget}, seed)
+                rounds.round()
                 done += 1
                 ctx.progress(done, n_cases, f"{device} tree bs={bs} budget={budget}")
         # The ceilings (a device copy and a large matmul at full power) only scale the attention
@@ -222,6 +230,7 @@ def run(ctx) -> dict:
                             params.setdefault("skipped", []).extend(skipped)
                             return recs
                         results += _guarded(att, "verify_attention", device, case, seed)
+                        rounds.round()  # the CPU's tree builds again, later in the suite
                         if device == "cuda":
                             import torch
 

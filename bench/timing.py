@@ -23,19 +23,23 @@ two speeds ~1.8x apart in stretches of hundreds of calls (docs/BENCHMARKS.md), s
 few hundred calls lands in one state or the other by chance; runs of calls back to back, each
 run's median kept, show both. The fast state's figure is the median of the runs within
 FAST_STATE_SPAN of the fastest one: the fast state's own median, whatever share of the runs it
-holds, rather than the least run median, which is biased low by the noise between runs.
+holds, rather than the least run median, which is biased low by the noise between runs. A
+state can outlast a case's tenth of a second of runs, so the suites take more runs of their
+cheap CPU calls between later cases (`CpuStateRounds`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from typing import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["summarize", "time_cpu", "cpu_states", "time_cuda", "time_cuda_graph",
-           "l2_flush_bytes", "DEVICE_WARMUP_S", "device_warmup_s", "settle", "SETTLE_S"]
+__all__ = ["summarize", "time_cpu", "cpu_states", "CpuStateRounds", "time_cuda",
+           "time_cuda_graph", "l2_flush_bytes", "DEVICE_WARMUP_S", "device_warmup_s", "settle",
+           "SETTLE_S"]
 
 DEVICE_WARMUP_S = 1.0  # seconds of untimed device work before the process's first CUDA sample
 SETTLE_S = 1.0  # seconds of light device work after a heavy measurement (settle)
@@ -154,9 +158,58 @@ def cpu_states(fn: Callable[[], object], runs: int = 100, calls: int = 50,
         total += sum(s)
         if total >= budget_s:
             break
+    return _states(medians, calls)
+
+
+def _states(medians: list[float], calls: int, **extra) -> dict:
+    """cpu_states' record from its run medians (and any extra fields)."""
     fast = [m for m in medians if m <= FAST_STATE_SPAN * min(medians)]
     return {"fast": float(np.median(fast)), "slow": max(medians), "calls": calls,
-            "medians": medians}
+            "medians": medians, **extra}
+
+
+class CpuStateRounds:
+    """A suite's CPU calls measured again between its later cases, so that each call's runs
+    (cpu_states) spread over the suite's minutes instead of a tenth of a second.
+
+    The host's state holds for seconds: on the H100 machine's host, bs 1 tree builds timed for
+    20 s in runs of 50 calls stayed in one state for up to ~900 runs (~5 s); any 100 consecutive
+    runs missed its fast state (read a fast figure over 1.25x the whole series') 35-36% of the
+    time, any 400 runs 16-20% (budget 15: 3.5 us fast, up to 6.0 us read; budget 63: 5.2, up to
+    10.4). `track` takes a record whose cpu_states a case has just measured, when one run of its
+    calls is cheap (<= max_run_s); `round` adds up to `runs` runs, within `budget_s`, to every
+    tracked record (its cpu_states recomputed over all its runs, with `rounds` and `span_s`, the
+    seconds from its first run to its last) and returns how many records it measured."""
+
+    def __init__(self, runs: int = 10, budget_s: float = 0.02, max_run_s: float = 0.005):
+        _check_counts("CpuStateRounds", 0, runs)
+        self.runs = runs
+        self.budget_s = budget_s
+        self.max_run_s = max_run_s
+        self._tracked: list[tuple[Callable[[], object], dict, Callable, object, float]] = []
+
+    def track(self, fn: Callable[[], object], rec: dict,
+              context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+              keep: object = None) -> bool:
+        """Tracks rec (its cpu_states just measured of fn) when a run is cheap; `context()` is
+        entered around each later round's runs (the algorithm's environment, say), and `keep`
+        (what fn's call needs alive: a bench.native_calls.Prepared, whose run holds raw
+        pointers to its buffers) is held as long as the rounds."""
+        st = rec.get("cpu_states")
+        if not st or st["calls"] * min(st["medians"]) > self.max_run_s:
+            return False
+        self._tracked.append((fn, rec, context, keep, time.monotonic()))
+        return True
+
+    def round(self) -> int:
+        for fn, rec, context, _, t0 in self._tracked:
+            old = rec["cpu_states"]
+            with context():
+                more = cpu_states(fn, runs=self.runs, calls=old["calls"], budget_s=self.budget_s)
+            rec["cpu_states"] = _states(old["medians"] + more["medians"], old["calls"],
+                                        rounds=old.get("rounds", 1) + 1,
+                                        span_s=time.monotonic() - t0)
+        return len(self._tracked)
 
 
 def l2_flush_bytes(device=None) -> int:

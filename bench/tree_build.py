@@ -33,8 +33,8 @@ import numpy as np
 from bench import format_table
 from bench.inputs import tree_inputs
 from bench.native_calls import prepare_tree_build
-from bench.timing import (cpu_states, device_warmup_s, summarize, time_cpu, time_cuda,
-                          time_cuda_graph)
+from bench.timing import (CpuStateRounds, cpu_states, device_warmup_s, summarize, time_cpu,
+                          time_cuda, time_cuda_graph)
 from bench.tree_algo import ALGOS, side_stream, tree_algo
 from bench.validate import TREE_FIELDS, check_exact, sample_requests
 
@@ -136,8 +136,11 @@ def _rec(backend, case, v, samples=None, seed=None, timing=None) -> dict:
     return r
 
 
-def _native(lib, dev, name, inp, budget, ref, rows, bs, case, seed, quick) -> dict:
-    """One native backend: validated, then timed (CUDA: also the kernel alone)."""
+def _native(lib, dev, name, inp, budget, ref, rows, bs, case, seed, quick, rounds=None,
+            algo=None) -> dict:
+    """One native backend (KDT_TREE_BUILD=algo, set by the caller): validated, then timed
+    (CUDA: also the kernel alone; the CPU: its states, measured again between later cases by
+    `rounds`, a bench.timing.CpuStateRounds, when given)."""
     prep = prepare_tree_build(lib, dev, inp, budget)
     prep.run()
     if dev == "cuda":
@@ -157,6 +160,8 @@ def _native(lib, dev, name, inp, budget, ref, rows, bs, case, seed, quick) -> di
     s = time_cpu(prep.run, warmup=2, reps=200, budget_s=0.1 if quick else 0.5)
     rec = _rec(name, case, v, s, seed, "monotonic clock around the bare CPU-backend call")
     rec["cpu_states"] = cpu_states(prep.run, budget_s=0.02 if quick else 0.1)
+    if rounds is not None:
+        rounds.track(prep.run, rec, lambda: tree_algo(algo), keep=prep)
     return rec
 
 
@@ -176,7 +181,7 @@ def _case_of(bs: int, budget: int) -> dict:
     return {"bs": bs, "budget": budget, "L": L, "K": min(budget, 64), "seq_len": SEQ_LEN}
 
 
-def _case(lib, devices, bs, budget, seed, quick) -> list:
+def _case(lib, devices, bs, budget, seed, quick, rounds=None) -> list:
     case = _case_of(bs, budget)
     inp, rows, ref = _inputs(seed, bs, budget)
     recs = []
@@ -186,7 +191,7 @@ def _case(lib, devices, bs, budget, seed, quick) -> list:
             try:
                 with side_stream(dev), tree_algo(algo):
                     recs.append(_native(lib, dev, name, inp, budget, ref, rows, bs, case, seed,
-                                        quick))
+                                        quick, rounds, algo))
             except Exception as e:
                 recs.append(_rec(name, case, {"ok": False, "error": f"{type(e).__name__}: {e}"},
                                  seed=seed))
@@ -296,10 +301,12 @@ def run(ctx) -> dict:
         params["note"] = f"{lib.path} is a CPU-only build: no native-cuda backend timed"
     results = []
     done, n_cases = 0, len(g["bs"]) * len(g["budget"])
+    rounds = CpuStateRounds(budget_s=0.005 if ctx.quick else 0.02)
     for bs in g["bs"]:
         for budget in g["budget"]:
             seed = int(root.spawn(1)[0].generate_state(1)[0])
-            results += _case(lib, devices, bs, budget, seed, ctx.quick)
+            results += _case(lib, devices, bs, budget, seed, ctx.quick, rounds)
+            rounds.round()
             done += 1
             ctx.progress(done, n_cases, f"bs={bs} budget={budget}")
     if "cuda" in devices and not ctx.quick:

@@ -58,6 +58,12 @@ def test_kernels_quick_cpu(ctx):
         if st:
             assert st["medians"] and st["calls"] == 50
             assert 0 < min(st["medians"]) <= st["fast"] <= st["slow"] == max(st["medians"])
+    # the cheap CPU builds measured again after later cases (bench.timing.CpuStateRounds): the
+    # grid's first case, bs 1, through every later tree and attention case
+    first = next(r for r in recs if r["bench"] == "tree_build")
+    n_later = sum(r["bench"] != "tree_accept" for r in recs) - 1
+    assert first["cpu_states"]["rounds"] >= 2 and first["cpu_states"]["span_s"] > 0
+    assert first["cpu_states"]["rounds"] <= 1 + n_later
     att = [r for r in recs if r["bench"] == "verify_attention"]
     assert {r["case"]["dtype"] for r in att} == {"float32", "bfloat16"}
     for r in att:
@@ -125,6 +131,10 @@ def test_tree_build_head_to_head_with_fake_sglang(ctx, monkeypatch):
             assert sp["value"] == pytest.approx(base["summary"]["median"] / r["summary"]["median"])
             st = r["cpu_states"]  # the native CPU build's two speeds (bench/timing.py)
             assert 0 < min(st["medians"]) <= st["fast"] <= st["slow"] == max(st["medians"])
+            if (r["case"]["bs"], r["case"]["budget"]) == (1, 15):
+                # the first case, cheap: its own runs, then again after each of the four cases
+                # (its own included)
+                assert st["rounds"] == 5 and len(st["medians"]) > 5
         else:
             assert "cpu_states" not in r
     assert {(r["case"]["bs"], r["case"]["budget"]) for r in recs} == {(1, 15), (1, 255), (64, 15), (64, 255)}

@@ -3,6 +3,8 @@ assertions: the clock's values are not checked, only how the helpers use it)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -92,6 +94,60 @@ def test_cpu_states_stops_at_the_budget_after_a_whole_run(monkeypatch):
     assert st["medians"] == [1.0, 1.0]  # 3 s, then 6 s: past the budget after the second run
     with pytest.raises(ValueError, match="cpu_states"):
         timing.cpu_states(lambda: None, runs=0)
+
+
+def _fake_call_clock(monkeypatch, durations):
+    """perf_counter readings in pairs around each call: each call takes the next duration (s)."""
+    it = iter(durations)
+    clock = {"t": 0.0, "open": False}
+
+    def perf_counter():
+        if clock["open"]:
+            clock["t"] += next(it)
+        clock["open"] = not clock["open"]
+        return clock["t"]
+
+    monkeypatch.setattr(timing.time, "perf_counter", perf_counter)
+
+
+def test_cpu_state_rounds_find_the_fast_state_a_case_missed(monkeypatch):
+    # The case's own runs all fall in a slow stretch (5 s a call); a later round finds the fast
+    # state (3 s): the record's fast figure becomes 3, over every run, inside the context.
+    _fake_call_clock(monkeypatch, [5, 5, 5, 5] + [3, 3, 3, 3])
+    mono = iter([10.0, 17.5])
+    monkeypatch.setattr(timing.time, "monotonic", lambda: next(mono))
+    inside = []
+
+    @contextlib.contextmanager
+    def context():
+        inside.append(True)
+        yield
+        inside.append(False)
+
+    calls = []
+    fn = lambda: calls.append(bool(inside) and inside[-1])  # noqa: E731
+    rec = {"cpu_states": timing.cpu_states(fn, runs=2, calls=2, budget_s=1e9)}
+    assert rec["cpu_states"]["fast"] == 5.0
+    rounds = timing.CpuStateRounds(runs=2, budget_s=1e9, max_run_s=100.0)
+    assert rounds.track(fn, rec, context)
+    assert rounds.round() == 1
+    assert rec["cpu_states"] == {"fast": 3.0, "slow": 5.0, "calls": 2,
+                                 "medians": [5.0, 5.0, 3.0, 3.0], "rounds": 2, "span_s": 7.5}
+    assert calls == [False] * 4 + [True] * 4  # the round's calls ran inside the context
+    assert inside[-1] is False
+
+
+def test_cpu_state_rounds_leave_expensive_or_stateless_records_alone(monkeypatch):
+    _fake_call_clock(monkeypatch, [2.0] * 4)
+    rec = {"cpu_states": timing.cpu_states(lambda: None, runs=2, calls=2, budget_s=1e9)}
+    rounds = timing.CpuStateRounds(runs=2, budget_s=1e9, max_run_s=3.0)  # a run takes 4 s
+    assert not rounds.track(lambda: None, rec)
+    assert not rounds.track(lambda: None, {"summary": {}})  # no cpu_states: a CUDA record
+    before = dict(rec["cpu_states"])
+    assert rounds.round() == 0
+    assert rec["cpu_states"] == before
+    with pytest.raises(ValueError, match="CpuStateRounds"):
+        timing.CpuStateRounds(runs=0)
 
 
 @pytest.mark.parametrize("warmup,reps", [(-1, 3), (0, 0)])
