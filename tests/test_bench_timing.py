@@ -70,32 +70,6 @@ def test_time_cpu_budget_stops_early_but_keeps_min_reps(monkeypatch):
     assert len(s) == 3
 
 
-def test_cpu_states_gives_each_runs_median_and_the_fast_states(monkeypatch):
-    # A fake clock: runs of four calls; the second is a slow stretch (5 s a call, as the host's
-    # state gives), the others fast, at 3 or 3.5 s: the fast state is their median.
-    durations = iter([3, 3, 3, 3, 5, 5, 3, 5, 3.5, 3.5, 3.5, 3.5, 3, 3.5, 3.5, 3.5])
-    clock = {"t": 0.0, "open": False}
-
-    def perf_counter():
-        if clock["open"]:
-            clock["t"] += next(durations)
-        clock["open"] = not clock["open"]
-        return clock["t"]
-
-    monkeypatch.setattr(timing.time, "perf_counter", perf_counter)
-    st = timing.cpu_states(lambda: None, runs=4, calls=4, budget_s=1e9)
-    assert st == {"fast": 3.5, "slow": 5.0, "calls": 4, "medians": [3.0, 5.0, 3.5, 3.5]}
-
-
-def test_cpu_states_stops_at_the_budget_after_a_whole_run(monkeypatch):
-    t = iter(range(10_000))
-    monkeypatch.setattr(timing.time, "perf_counter", lambda: float(next(t)))  # 1 s a call
-    st = timing.cpu_states(lambda: None, runs=40, calls=3, budget_s=5.0)
-    assert st["medians"] == [1.0, 1.0]  # 3 s, then 6 s: past the budget after the second run
-    with pytest.raises(ValueError, match="cpu_states"):
-        timing.cpu_states(lambda: None, runs=0)
-
-
 def _fake_call_clock(monkeypatch, durations):
     """perf_counter readings in pairs around each call: each call takes the next duration (s)."""
     it = iter(durations)
@@ -108,6 +82,23 @@ def _fake_call_clock(monkeypatch, durations):
         return clock["t"]
 
     monkeypatch.setattr(timing.time, "perf_counter", perf_counter)
+
+
+def test_cpu_states_gives_each_runs_median_and_the_fast_states(monkeypatch):
+    # A fake clock: runs of four calls; the second is a slow stretch (5 s a call, as the host's
+    # state gives), the others fast, at 3 or 3.5 s: the fast state is their median.
+    _fake_call_clock(monkeypatch, [3, 3, 3, 3, 5, 5, 3, 5, 3.5, 3.5, 3.5, 3.5, 3, 3.5, 3.5, 3.5])
+    st = timing.cpu_states(lambda: None, runs=4, calls=4, budget_s=1e9)
+    assert st == {"fast": 3.5, "slow": 5.0, "calls": 4, "medians": [3.0, 5.0, 3.5, 3.5]}
+
+
+def test_cpu_states_stops_at_the_budget_after_a_whole_run(monkeypatch):
+    t = iter(range(10_000))
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: float(next(t)))  # 1 s a call
+    st = timing.cpu_states(lambda: None, runs=40, calls=3, budget_s=5.0)
+    assert st["medians"] == [1.0, 1.0]  # 3 s, then 6 s: past the budget after the second run
+    with pytest.raises(ValueError, match="cpu_states"):
+        timing.cpu_states(lambda: None, runs=0)
 
 
 def test_cpu_state_rounds_find_the_fast_state_a_case_missed(monkeypatch):
